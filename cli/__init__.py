@@ -1,0 +1,3 @@
+"""The `airlock` command line for operators."""
+
+__all__: list[str] = []

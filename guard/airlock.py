@@ -1,0 +1,472 @@
+"""The ``@Airlock`` decorator: one guarded call through the gates, the effect guard and the tool."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, Literal, TypeVar, cast
+
+import orjson
+
+from .canonical import Binder, NotCanonical, canonical_bytes, key_from_canonical, to_json_value
+from .context import CallContext, active, enter_call, leave_call
+from .effect_guard import EffectGuard, decide_attempt, reversibility_of
+from .oversight import OversightRequest, OversightResponse, OversightVerdict
+from .policy import SecurityPolicy, required_capabilities
+from .refusal import AirlockBlocked, Refusal, make_refusal
+from .store import EffectEvent, Verdict, utc_now
+
+__all__ = ["Airlock", "airlock_of"]
+
+log = logging.getLogger("guard")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_HINTS: dict[str, tuple[str, ...]] = {
+    "policy_violation": (
+        "Do not call this tool again in this session; choose an allowed tool.",
+    ),
+    "tool_call_id_reused": (
+        "Send a new tool call with a fresh id for a different call.",
+        "To retry the earlier call, send exactly the same tool and arguments.",
+    ),
+    "capability_denied": ("Ask an operator to grant the capability, or use a tool that does not need it.",),
+    "escalation_required": ("Ask an operator to configure an approver for this tool; do not retry until then.",),
+    "escalation_denied": ("Do not retry this call unchanged; tell the user it was not approved.",),
+    "tool_call_id_required": (
+        "The host must run this tool inside AirlockContext(metadata={'tool_call_id': ...}).",
+    ),
+    "target_args_required": ("Name the target explicitly and call again.",),
+    "arguments_not_canonical": (
+        "Pass arguments that fit the tool's signature and have a JSON form: "
+        "strings, numbers, booleans, null, lists and objects (no NaN or infinity).",
+    ),
+    "effect_status_unknown": (
+        "Do not retry this call.",
+        "Ask the backend whether the operation with this idempotency key took effect.",
+        "An operator can settle it with `airlock journal resolve`.",
+    ),
+    "replay_value_unavailable": (
+        "Do not retry this call: it already took effect.",
+        "Look up its result in the backend if you need it.",
+    ),
+    "store_unavailable": ("Try again later; the tool was not run.",),
+}
+
+
+def _is_deferred(result: Any) -> bool:
+    if type(result) in _PLAIN:
+        return False
+    return (
+        inspect.isawaitable(result)
+        or inspect.isgenerator(result)
+        or inspect.isasyncgen(result)
+        or isinstance(result, Iterator | AsyncIterator)
+    )
+
+
+_PLAIN = frozenset({dict, list, str, int, float, bool, type(None), tuple, bytes})
+
+
+class _Tool:
+    """What the pipeline knows of one decorated function, read at its first call."""
+
+    __slots__ = ("binder", "capabilities", "irreversible", "name", "reversible")
+
+    def __init__(self, fn: Callable[..., Any], wrapper: Callable[..., Any]) -> None:
+        self.name: str = fn.__name__
+        self.binder = Binder(fn)
+        tag = reversibility_of(wrapper)
+        self.reversible = tag == "reversible"
+        self.irreversible = tag == "irreversible"
+        self.capabilities = required_capabilities(wrapper)
+
+
+class _Call:
+    """One guarded call's way through the pipeline (section 2.4 of the contract)."""
+
+    __slots__ = (
+        "agent_id", "airlock", "approval", "args", "arguments", "attempt", "context", "eg", "escalation",
+        "key", "kwargs", "metadata", "replay_value", "request", "tool", "tool_call_id", "verdict",
+    )
+
+    def __init__(self, airlock: Airlock, tool: _Tool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.airlock = airlock
+        self.tool = tool
+        self.args = args
+        self.kwargs = kwargs
+        self.eg: EffectGuard | None = airlock.policy.effect_guard
+        host = active()
+        if host is None:
+            self.agent_id, self.metadata, self.tool_call_id = None, {}, None
+        elif isinstance(host, CallContext):
+            # A guarded call made from inside a tool is not the model's call: it has no id of its own.
+            self.agent_id, self.tool_call_id = host.agent_id, None
+            self.metadata = {k: v for k, v in host.metadata.items() if k != "tool_call_id"}
+        else:
+            self.agent_id, self.metadata, self.tool_call_id = host.agent_id, host.metadata, host.tool_call_id
+        self.arguments: bytes | None = None
+        self.key: str | None = None
+        self.escalation: str | None = None
+        self.request: OversightRequest | None = None
+        self.approval: dict[str, str] | None = None
+        self.verdict: Verdict | None = None
+        self.attempt = 0
+        self.replay_value: Any = None
+        self.context: CallContext | None = None
+
+    # -- refusals ------------------------------------------------------------------------------
+
+    def refuse(self, code: str, error: str, journal: bool = True, **details: Any) -> Refusal:
+        hints = _HINTS.get(str(details.get("violation_type")), ()) or _HINTS.get(code, ())
+        refusal = make_refusal(
+            code, error, hints,
+            {"tool": self.tool.name, "tool_call_id": self.tool_call_id, "agent_id": self.agent_id,
+             "idempotency_key": self.key, **details},
+        )
+        if journal and self.eg is not None:
+            self.record(
+                EffectEvent(
+                    kind="refused", call_id=self.tool_call_id, tool=self.tool.name, agent_id=self.agent_id,
+                    idempotency_key=self.key, arguments=self._arguments_text(),
+                    reason={"code": code, "message": error}, attempt=self.attempt,
+                )
+            )
+        return refusal
+
+    def _arguments_text(self) -> str | None:
+        return None if self.arguments is None else self.arguments.decode()
+
+    # -- gates 1 to 5 --------------------------------------------------------------------------
+
+    def gates(self) -> Refusal | None:
+        """Gates 1-4 and the decision whether to escalate; the first refusal ends the call."""
+        policy, tool, eg = self.airlock.policy, self.tool, self.eg
+        name = tool.name
+        violation = policy.violation(name)
+        if violation is not None:
+            return self.refuse(
+                "policy_violation",
+                f"The tool {name!r} is {'denied' if violation == 'tool_denied' else 'not allowed'} "
+                "by this agent's policy; it was not run.",
+                violation_type=violation,
+            )
+        if tool.capabilities:
+            missing = policy.missing_capabilities(tool.capabilities)
+            if missing:
+                return self.refuse(
+                    "capability_denied",
+                    f"The tool {name!r} needs the capabilities {', '.join(missing)}, which this agent "
+                    "has not been granted; it was not run.",
+                    missing_capabilities=missing,
+                )
+        if eg is not None and eg.require_tool_call_id and self.tool_call_id is None and not tool.reversible:
+            return self.refuse(
+                "tool_call_id_required",
+                f"The tool {name!r} has side effects and this call carries no tool call id, so it cannot "
+                "be run at most once; it was not run.",
+            )
+        try:
+            bound, passed = tool.binder.bind(self.args, self.kwargs)
+        except TypeError as e:
+            bound, passed, bind_error = None, set(), str(e)
+        else:
+            bind_error = None
+            try:
+                self.arguments = canonical_bytes(bound)
+                self.key = key_from_canonical(name, self.arguments)
+            except NotCanonical as e:
+                bind_error = f"an argument has no JSON form ({e})"
+        if eg is not None and eg.target_args and tool.irreversible:
+            if bound is None:
+                return self._not_canonical(bind_error)
+            if not any(n in passed and bound.get(n) not in (None, "") for n in eg.target_args):
+                return self.refuse(
+                    "target_args_required",
+                    f"The tool {name!r} is irreversible and must name its target: pass a value for "
+                    f"{' or '.join(repr(n) for n in eg.target_args)}.",
+                    target_args=list(eg.target_args),
+                )
+        escalation = policy.escalation_reason(name)
+        if escalation is None and eg is not None and eg.require_approval_for_irreversible and tool.irreversible:
+            escalation = "every call to an irreversible tool needs approval"
+        keyed = eg is not None and self.tool_call_id is not None
+        if (escalation is not None or keyed) and self.key is None:
+            return self._not_canonical(bind_error)
+        if escalation is not None:
+            if policy.approver is None:
+                return self.refuse(
+                    "escalation_required",
+                    f"The tool {name!r} needs a human's approval ({escalation}) and no approver is "
+                    "configured; it was not run.",
+                    escalation_reason=escalation,
+                )
+            self.escalation = escalation
+        return None
+
+    def _not_canonical(self, why: str | None) -> Refusal:
+        return self.refuse(
+            "arguments_not_canonical",
+            f"The arguments to {self.tool.name!r} cannot be keyed: {why}; it was not run.",
+        )
+
+    def approval_request(self) -> OversightRequest:
+        assert self.arguments is not None and self.key is not None and self.escalation is not None
+        self.request = OversightRequest(
+            request_id=uuid.uuid4().hex,
+            tool_name=self.tool.name,
+            arguments=orjson.loads(self.arguments),
+            reason=self.escalation,
+            tool_call_id=self.tool_call_id,
+            idempotency_key=self.key,
+            agent_id=self.agent_id,
+            requested_at=utc_now(),
+        )
+        return self.request
+
+    def approval_failed(self, e: Exception) -> Refusal:
+        log.warning("approver raised for %s (tool_call_id=%s): %r", self.tool.name, self.tool_call_id, e)
+        return self.refuse(
+            "escalation_denied",
+            f"The approver failed on this call to {self.tool.name!r} ({type(e).__name__}), so it was not "
+            "approved; it was not run.",
+            verdict="error",
+        )
+
+    def check_approval(self, response: object) -> Refusal | None:
+        request = self.request
+        assert request is not None
+        if (
+            isinstance(response, OversightResponse)
+            and response.request_id == request.request_id
+            and response.verdict == OversightVerdict.GRANT
+        ):
+            who = response.approver or "an approver"
+            self.approval = {"code": "approved", "message": f"approved by {who} (request {request.request_id})"}
+            return None
+        if not isinstance(response, OversightResponse):
+            verdict = "invalid_response"
+        elif response.request_id != request.request_id:
+            verdict = "response_for_another_request"
+        else:
+            verdict = str(response.verdict)
+        return self.refuse(
+            "escalation_denied",
+            f"The approver did not grant this call to {self.tool.name!r} ({verdict}); it was not run.",
+            verdict=verdict,
+            request_id=request.request_id,
+        )
+
+    # -- gate 6 --------------------------------------------------------------------------------
+
+    def begin(self) -> Refusal | None:
+        """The effect guard's atomic begin; sets ``verdict`` (None when the call runs unguarded)."""
+        eg, call_id = self.eg, self.tool_call_id
+        if eg is not None and call_id is not None:
+            assert self.key is not None and self.arguments is not None
+            name, key, arguments, agent_id = self.tool.name, self.key, self.arguments.decode(), self.agent_id
+            reversible, approval = self.tool.reversible, self.approval
+
+            def decide(record: Any) -> Any:
+                return decide_attempt(
+                    record, call_id=call_id, tool=name, key=key, arguments=arguments, agent_id=agent_id,
+                    reversible=reversible, approval=approval,
+                )
+
+            try:
+                decision = eg.store.begin(call_id, decide)
+            except Exception as e:
+                log.error("store could not record pending for %s (tool_call_id=%s): %r", name, call_id, e)
+                return self.refuse(
+                    "store_unavailable",
+                    "The effect journal could not record this call, so it was not run; try again later.",
+                    journal=False,
+                    store_error=f"{type(e).__name__}: {e}",
+                )
+            self.verdict = decision.verdict
+            self.attempt = decision.attempt
+            if decision.verdict is Verdict.REFUSE:
+                return self.refuse(str(decision.code), str(decision.message), journal=False, **decision.details)
+            if decision.verdict is Verdict.REPLAY:
+                assert decision.record is not None and decision.record.value is not None
+                self.replay_value = orjson.loads(decision.record.value)
+                return None
+        self.context = CallContext(
+            self.agent_id, self.metadata, tool=self.tool.name, tool_call_id=self.tool_call_id,
+            idempotency_key=self.key,
+        )
+        return None
+
+    # -- outcomes ------------------------------------------------------------------------------
+
+    def outcome(self, kind: str, value: str | None = None, error: dict[str, str] | None = None,
+                reason: dict[str, str] | None = None) -> None:
+        self.record(
+            EffectEvent(
+                kind=kind, call_id=self.tool_call_id, tool=self.tool.name, agent_id=self.agent_id,
+                idempotency_key=self.key, arguments=self._arguments_text(), value=value, error=error,
+                reason=reason, attempt=self.attempt,
+            )
+        )
+
+    def returned(self, result: Any) -> None:
+        if self.verdict is not Verdict.RUN:
+            return
+        if _is_deferred(result):
+            self.outcome("unknown", error={
+                "type": type(result).__name__,
+                "message": "the tool returned a deferred result; its effect happens as it is consumed",
+            })
+            return
+        value = to_json_value(result)
+        if value is None:
+            self.outcome("committed", reason={
+                "code": "value_not_stored",
+                "message": f"the tool's value of type {type(result).__name__} has no JSON form",
+            })
+        else:
+            self.outcome("committed", value=value)
+
+    def raised(self, exc: BaseException) -> None:
+        if self.verdict is not Verdict.RUN:
+            return
+        error = {"type": type(exc).__name__, "message": str(exc)}
+        eg = self.eg
+        assert eg is not None
+        if isinstance(exc, eg.ambiguous_errors) or not isinstance(exc, Exception):
+            self.outcome("unknown", error=error)
+        else:
+            self.outcome("released", error=error)
+
+    def record(self, event: EffectEvent) -> None:
+        assert self.eg is not None
+        try:
+            self.eg.store.append(event)
+        except Exception as e:
+            log.error(
+                "store could not record %s for %s (tool_call_id=%s, attempt %s): %r",
+                event.kind, event.tool, event.call_id, event.attempt, e,
+            )
+
+
+class Airlock:
+    """Guard a tool: ``@Airlock(policy=SecurityPolicy(...), on_block="return")``.
+
+    The decorated ``def`` or ``async def`` keeps its name, docstring and signature. A refused call
+    does not run: it returns a :class:`Refusal` (``on_block="return"``) or raises
+    :class:`AirlockBlocked` (``on_block="raise"``).
+    """
+
+    def __init__(self, policy: SecurityPolicy | None = None, on_block: Literal["return", "raise"] = "return") -> None:
+        if on_block not in ("return", "raise"):
+            raise ValueError(f"on_block is 'return' or 'raise', not {on_block!r}")
+        self.policy = policy if policy is not None else SecurityPolicy()
+        self.on_block = on_block
+
+    def blocked(self, refusal: Refusal) -> Any:
+        if self.on_block == "raise":
+            raise AirlockBlocked(refusal)
+        return refusal
+
+    def refuse(self, fn: Callable[..., Any], code: str, error: str, **details: Any) -> Any:
+        """Refuse a call to ``fn`` before it reaches the gates (for adapters), journaled like any refusal."""
+        call = _Call(self, _tool_of(fn), (), {})
+        return self.blocked(call.refuse(code, error, **details))
+
+    def __call__(self, fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(f"@Airlock decorates a function, not {fn!r}")
+        cache: list[_Tool] = []
+
+        def tool() -> _Tool:
+            if not cache:
+                cache.append(_Tool(fn, wrapper))
+            return cache[0]
+
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                call = _Call(self, cache[0] if cache else tool(), args, kwargs)
+                refusal = call.gates()
+                if refusal is None and call.escalation is not None:
+                    try:
+                        response: Any = self.policy.approver(call.approval_request())  # type: ignore[misc]
+                        if inspect.isawaitable(response):
+                            response = await response
+                    except Exception as e:
+                        refusal = call.approval_failed(e)
+                    else:
+                        refusal = call.check_approval(response)
+                if refusal is None:
+                    refusal = call.begin()
+                if refusal is not None:
+                    return self.blocked(refusal)
+                if call.verdict is Verdict.REPLAY:
+                    return call.replay_value
+                token = enter_call(cast(CallContext, call.context))
+                try:
+                    result = await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
+                except BaseException as e:
+                    call.raised(e)
+                    raise
+                finally:
+                    leave_call(token)
+                call.returned(result)
+                return result
+
+        else:
+
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                call = _Call(self, cache[0] if cache else tool(), args, kwargs)
+                refusal = call.gates()
+                if refusal is None and call.escalation is not None:
+                    try:
+                        response = self.policy.approver(call.approval_request())  # type: ignore[misc]
+                    except Exception as e:
+                        refusal = call.approval_failed(e)
+                    else:
+                        refusal = call.check_approval(response)
+                if refusal is None:
+                    refusal = call.begin()
+                if refusal is not None:
+                    return self.blocked(refusal)
+                if call.verdict is Verdict.REPLAY:
+                    return call.replay_value
+                token = enter_call(cast(CallContext, call.context))
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as e:
+                    call.raised(e)
+                    raise
+                finally:
+                    leave_call(token)
+                call.returned(result)
+                return result
+
+        wrapper.__airlock__ = self  # type: ignore[attr-defined]
+        wrapper.__airlock_tool__ = tool  # type: ignore[attr-defined]
+        return cast(F, wrapper)
+
+
+def _tool_of(fn: Callable[..., Any]) -> _Tool:
+    resolve = getattr(fn, "__airlock_tool__", None)
+    if resolve is None:
+        raise TypeError(f"{fn!r} is not decorated with @Airlock")
+    return cast(_Tool, resolve())
+
+
+def airlock_of(fn: Callable[..., Any]) -> Airlock | None:
+    """The :class:`Airlock` that guards ``fn`` (looked up along the ``__wrapped__`` chain), or None."""
+    seen: set[int] = set()
+    obj: Any = fn
+    while obj is not None and id(obj) not in seen:
+        seen.add(id(obj))
+        found = obj.__dict__.get("__airlock__") if hasattr(obj, "__dict__") else None
+        if isinstance(found, Airlock):
+            return found
+        obj = getattr(obj, "__wrapped__", None)
+    return None

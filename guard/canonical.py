@@ -1,0 +1,148 @@
+"""Canonical JSON, argument binding and the idempotency key (the byte rule of docs/semantics.md).
+
+``canonical_json(x)`` is orjson with sorted keys and no whitespace; dataclasses and pydantic
+models enter as objects of their fields, so their key order never matters. A value with no JSON
+form (an arbitrary object, NaN, an infinity, a non-string key, a set) raises
+:class:`NotCanonical`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "NotCanonical",
+    "bind_arguments",
+    "canonical_json",
+    "idempotency_key",
+    "key_from_canonical",
+    "to_json_value",
+]
+
+_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
+
+
+class NotCanonical(ValueError):
+    """The value has no canonical JSON form."""
+
+
+def _default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    model_dump = getattr(obj, "model_dump", None)
+    if callable(model_dump) and not isinstance(obj, type):
+        return model_dump(mode="json")
+    raise TypeError(f"Type is not JSON serializable: {type(obj).__name__}")
+
+
+def _has_nonfinite(obj: Any) -> bool:
+    """orjson writes NaN and infinities as null; find them in what was serialised."""
+    if isinstance(obj, float):
+        return not math.isfinite(obj)
+    if isinstance(obj, Mapping):
+        return any(_has_nonfinite(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_has_nonfinite(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_has_nonfinite(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if callable(getattr(obj, "model_dump", None)) and not isinstance(obj, type):
+        return _has_nonfinite(obj.model_dump(mode="python"))
+    return False
+
+
+def canonical_bytes(obj: Any) -> bytes:
+    """The canonical JSON bytes of ``obj``, or :class:`NotCanonical`."""
+    try:
+        out = orjson.dumps(obj, default=_default, option=_OPTIONS)
+    except (TypeError, orjson.JSONEncodeError) as e:
+        raise NotCanonical(str(e)) from e
+    if b"null" in out and _has_nonfinite(obj):
+        raise NotCanonical("NaN and infinities have no JSON form")
+    return out
+
+
+def canonical_json(obj: Any) -> str:
+    """The canonical JSON text of ``obj``, or :class:`NotCanonical`."""
+    return canonical_bytes(obj).decode()
+
+
+def to_json_value(obj: Any) -> str | None:
+    """The stored JSON form of a tool's value (canonical), or None when it cannot be stored."""
+    try:
+        return canonical_bytes(obj).decode()
+    except NotCanonical:
+        return None
+
+
+def key_from_canonical(tool: str, arguments_json: bytes) -> str:
+    return hashlib.sha256(tool.encode() + b"\x00" + arguments_json).hexdigest()
+
+
+def idempotency_key(tool: str, arguments: Mapping[str, Any]) -> str:
+    """``sha256(tool.encode() + b"\\x00" + canonical_json(arguments))`` as 64 lowercase hex.
+
+    ``arguments`` are the call's arguments bound by name (see :func:`bind_arguments`).
+    Raises :class:`NotCanonical` when they have no JSON form.
+    """
+    return key_from_canonical(tool, canonical_bytes(dict(arguments)))
+
+
+class Binder:
+    """Binds a call's arguments to one function's signature (cached per tool)."""
+
+    __slots__ = ("_defaults", "_n_positional", "_names", "_nameset", "_simple", "_var_keyword",
+                 "_var_positional", "signature")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.signature = inspect.signature(fn)
+        params = list(self.signature.parameters.values())
+        self._var_positional = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+        self._var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+        # A signature of plain parameters binds without inspect on the fast path.
+        self._simple = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+        self._names = tuple(p.name for p in params)
+        self._nameset = frozenset(self._names)
+        self._n_positional = sum(1 for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+        self._defaults = {p.name: p.default for p in params if p.default is not p.empty}
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
+        """The arguments by name with defaults applied, and the names the caller passed.
+
+        Raises ``TypeError`` when they do not fit the signature, as the call itself would.
+        """
+        if self._simple and len(args) <= self._n_positional and kwargs.keys() <= self._nameset:
+            bound = dict(zip(self._names, args, strict=False))
+            if not bound.keys() & kwargs.keys():
+                bound.update(kwargs)
+                passed = set(bound)
+                if len(bound) == len(self._names):
+                    return bound, passed
+                defaults = self._defaults
+                if all(n in bound or n in defaults for n in self._names):
+                    return {n: bound[n] if n in bound else defaults[n] for n in self._names}, passed
+        ba = self.signature.bind(*args, **kwargs)
+        passed = set(ba.arguments)
+        ba.apply_defaults()
+        bound = {}
+        for name, value in ba.arguments.items():
+            if name == self._var_positional:
+                bound[name] = list(value)
+            elif name == self._var_keyword:
+                passed.discard(name)
+                passed.update(value)
+                bound.update(value)
+            else:
+                bound[name] = value
+        return bound, passed
+
+
+def bind_arguments(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The arguments of ``fn(*args, **kwargs)`` by name, defaults applied, ``*args`` as a list."""
+    return Binder(fn).bind(args, kwargs)[0]

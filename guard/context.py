@@ -1,0 +1,112 @@
+"""The context a host opens around a model's tool call, and the per-call copy a tool sees."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextvars import ContextVar, Token
+from types import TracebackType
+from typing import Any
+
+__all__ = ["AirlockContext", "CallContext", "get_current_context"]
+
+_current: ContextVar[AirlockContext | None] = ContextVar("airlock_context", default=None)
+
+
+class AirlockContext:
+    """Who is calling, and on behalf of which model tool call.
+
+    A context manager (``with`` and ``async with``); contexts nest, the inner one wins. The host
+    or an adapter puts the model's tool call id at ``metadata["tool_call_id"]``.
+    """
+
+    __slots__ = ("_tokens", "agent_id", "metadata")
+
+    def __init__(self, agent_id: str | None = None, metadata: Mapping[str, Any] | None = None) -> None:
+        self.agent_id = agent_id
+        self.metadata: dict[str, Any] = dict(metadata) if metadata else {}
+        self._tokens: list[Token[AirlockContext | None]] = []
+
+    @property
+    def tool_call_id(self) -> str | None:
+        """``metadata["tool_call_id"]`` when it is a non-empty string, else None."""
+        value = self.metadata.get("tool_call_id")
+        return value if isinstance(value, str) and value else None
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return None
+
+    def __enter__(self) -> AirlockContext:
+        self._tokens.append(_current.set(self))
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _current.reset(self._tokens.pop())
+
+    async def __aenter__(self) -> AirlockContext:
+        return self.__enter__()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(agent_id={self.agent_id!r}, metadata={self.metadata!r})"
+
+
+class CallContext(AirlockContext):
+    """The copy of the active context that one guarded call sees.
+
+    It carries the call's ``tool``, ``tool_call_id`` and ``idempotency_key``; the host's own
+    context object is never changed.
+    """
+
+    __slots__ = ("_idempotency_key", "_tool_call_id", "tool")
+
+    def __init__(
+        self,
+        agent_id: str | None,
+        metadata: Mapping[str, Any] | None,
+        *,
+        tool: str,
+        tool_call_id: str | None,
+        idempotency_key: str | None,
+    ) -> None:
+        super().__init__(agent_id, metadata)
+        self.tool = tool
+        self._tool_call_id = tool_call_id
+        self._idempotency_key = idempotency_key
+
+    @property
+    def tool_call_id(self) -> str | None:
+        return self._tool_call_id
+
+    @property
+    def idempotency_key(self) -> str | None:
+        return self._idempotency_key
+
+    def __repr__(self) -> str:
+        return (
+            f"CallContext(tool={self.tool!r}, tool_call_id={self._tool_call_id!r}, "
+            f"idempotency_key={self._idempotency_key!r}, agent_id={self.agent_id!r})"
+        )
+
+
+def get_current_context() -> AirlockContext | None:
+    """The active context; inside a guarded call, that call's :class:`CallContext`."""
+    return _current.get()
+
+
+def active() -> AirlockContext | None:
+    return _current.get()
+
+
+def enter_call(ctx: CallContext) -> Token[AirlockContext | None]:
+    return _current.set(ctx)
+
+
+def leave_call(token: Token[AirlockContext | None]) -> None:
+    _current.reset(token)

@@ -1,0 +1,252 @@
+"""The seam between the guard and its storage: events, call records, the fold, the protocol.
+
+The guard decides; a store makes the decision atomic and durable. Every transition reaches the
+store as one :class:`EffectEvent`. The current state of a call is :class:`CallRecord`, and
+:func:`apply` is the one pure fold from an event to the next record, shared by every store.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "CallRecord",
+    "CallStatus",
+    "Decision",
+    "EffectEvent",
+    "EffectStore",
+    "EventKind",
+    "Verdict",
+    "apply",
+    "current_owner",
+    "format_at",
+    "parse_at",
+    "utc_now",
+]
+
+
+class EventKind(StrEnum):
+    """The six kinds of event, exactly."""
+
+    PENDING = "pending"
+    COMMITTED = "committed"
+    UNKNOWN = "unknown"
+    RELEASED = "released"
+    REPLAYED = "replayed"
+    REFUSED = "refused"
+
+
+class CallStatus(StrEnum):
+    """The projected status of a call."""
+
+    PENDING = "pending"
+    COMMITTED = "committed"
+    UNKNOWN = "unknown"
+    RELEASED = "released"
+
+
+# Kinds that move a call's status; `replayed` and `refused` only leave a trace in the log.
+TRANSITIONS: frozenset[str] = frozenset({"pending", "committed", "unknown", "released"})
+GUARD_ACTOR = "guard"
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def format_at(at: datetime) -> str:
+    """ISO-8601 in UTC with microseconds and a ``Z``: ``2026-12-01T05:23:06.123456Z``."""
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_at(text: str) -> datetime:
+    """The inverse of :func:`format_at`; also accepts any ISO-8601 string with an offset."""
+    if text.endswith("Z"):
+        text = text[:-1] + "+00:00"
+    at = datetime.fromisoformat(text)
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return at.astimezone(UTC)
+
+
+_HOST = socket.gethostname()
+
+
+def current_owner() -> dict[str, Any]:
+    """``{host, pid}`` of this process (the pid is read each time: a fork changes it)."""
+    return {"host": _HOST, "pid": os.getpid()}
+
+
+@dataclass(slots=True)
+class EffectEvent:
+    """One transition, as the guard (or an operator) hands it to a store. Treat it as immutable
+    (it is not frozen only because a frozen dataclass costs microseconds on the hot path).
+
+    ``arguments`` and ``value`` are canonical JSON text (or None); a store keeps them as they are.
+    A store assigns ``seq`` (gapless, from 1) and, for a chained journal, ``prev_hash`` and ``hash``.
+    """
+
+    kind: str
+    call_id: str | None
+    tool: str
+    at: datetime = field(default_factory=utc_now)
+    agent_id: str | None = None
+    idempotency_key: str | None = None
+    arguments: str | None = None
+    value: str | None = None
+    error: Mapping[str, Any] | None = None
+    reason: Mapping[str, Any] | None = None
+    actor: str = GUARD_ACTOR
+    attempt: int = 0
+    owner: Mapping[str, Any] = field(default_factory=current_owner)
+    seq: int = 0  # 0 until a store has appended it
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """The current state of one call: one row of the projection.
+
+    ``value`` is the stored JSON text of the committed value; ``None`` when there is none
+    (not committed, a value that could not be stored, or an operator's confirmation without one).
+    ``since`` is when the call entered its current status.
+    """
+
+    call_id: str
+    tool: str
+    status: str
+    attempt: int
+    agent_id: str | None
+    idempotency_key: str | None
+    arguments: str | None
+    value: str | None
+    error: Mapping[str, Any] | None
+    reason: Mapping[str, Any] | None
+    actor: str
+    owner: Mapping[str, Any] | None
+    created_at: datetime
+    updated_at: datetime
+    since: datetime
+    last_seq: int = 0
+
+
+def apply(record: CallRecord | None, event: EffectEvent, seq: int = 0) -> CallRecord | None:
+    """Fold one event into a call's record: the projection is ``reduce(apply, log)``.
+
+    - ``replayed`` and ``refused`` never change a record, nor create one.
+    - ``pending`` starts the attempt it names (a new record at its first attempt).
+    - ``committed``, ``unknown`` and ``released`` are outcomes: taken only when their attempt is
+      the call's current one, so a late outcome of an older attempt stays in the log alone.
+    """
+    kind = event.kind
+    if kind not in TRANSITIONS or event.call_id is None:
+        return record
+    if kind == "pending":
+        if record is None:
+            return CallRecord(
+                call_id=event.call_id,
+                tool=event.tool,
+                status="pending",
+                attempt=event.attempt,
+                agent_id=event.agent_id,
+                idempotency_key=event.idempotency_key,
+                arguments=event.arguments,
+                value=None,
+                error=None,
+                reason=None,
+                actor=event.actor,
+                owner=event.owner,
+                created_at=event.at,
+                updated_at=event.at,
+                since=event.at,
+                last_seq=seq,
+            )
+        return replace(
+            record,
+            status="pending",
+            attempt=event.attempt,
+            agent_id=event.agent_id,
+            value=None,
+            error=None,
+            reason=None,
+            actor=event.actor,
+            owner=event.owner,
+            updated_at=event.at,
+            since=event.at,
+            last_seq=seq,
+        )
+    if record is None or event.attempt != record.attempt:
+        return record
+    return replace(
+        record,
+        status=kind,
+        value=event.value if kind == "committed" else None,
+        error=event.error,
+        reason=event.reason,
+        actor=event.actor,
+        owner=event.owner,
+        updated_at=event.at,
+        since=event.at if kind != record.status else record.since,
+        last_seq=seq,
+    )
+
+
+class Verdict(StrEnum):
+    """What the replay table decided for one attempt."""
+
+    RUN = "run"
+    REPLAY = "replay"
+    REFUSE = "refuse"
+
+
+@dataclass(slots=True)
+class Decision:
+    """The outcome of :meth:`EffectStore.begin`.
+
+    ``event`` is what the store appends in the same atomic step (``pending`` for RUN,
+    ``replayed`` for REPLAY, ``refused`` for REFUSE). ``record`` is the record the decision was
+    taken on (None for a call never seen). For a refusal, ``code``, ``message`` and ``details``
+    say why.
+    """
+
+    verdict: Verdict
+    event: EffectEvent
+    record: CallRecord | None = None
+    code: str | None = None
+    message: str | None = None
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def attempt(self) -> int:
+        return self.event.attempt
+
+
+Decide = Callable[[CallRecord | None], Decision]
+
+
+@runtime_checkable
+class EffectStore(Protocol):
+    """Where calls' statuses live. Implement these three methods for another backend.
+
+    ``begin`` is the one atomic step: read the record of ``call_id``, call ``decide`` with it
+    (None for a call never seen), append ``decision.event`` and fold it into the record, in one
+    step that no other ``begin`` for that id can interleave with; then return the decision.
+    ``decide`` is pure and fast; it may be called again if the store retries its transaction.
+    When ``begin`` returns a RUN decision, its ``pending`` event must be durable.
+    Raise any ``Exception`` when the store cannot do it: the guard then refuses the call
+    ``store_unavailable`` and does not run the tool.
+
+    ``append`` records an outcome (``committed``, ``unknown``, ``released``) or a ``refused``
+    event outside ``begin``; ``get`` returns a call's current record or None.
+    """
+
+    def begin(self, call_id: str, decide: Decide) -> Decision: ...
+
+    def append(self, event: EffectEvent) -> None: ...
+
+    def get(self, call_id: str) -> CallRecord | None: ...

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.stores import STORE_FACTORIES, close_store
+
+
+@pytest.fixture(params=sorted(STORE_FACTORIES))
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """A fresh, empty EffectStore: every store in tests/stores.py in turn."""
+    made = STORE_FACTORIES[request.param](tmp_path)
+    try:
+        yield made
+    finally:
+        close_store(made)

@@ -1,0 +1,36 @@
+"""The stores every contract test runs on: add a factory here and a new store gets every test.
+
+A factory takes pytest's ``tmp_path`` and returns a fresh, empty store; ``closer`` (optional)
+releases it after the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from guard.effect_guard import InMemoryEffectStore
+
+StoreFactory = Callable[[Path], Any]
+
+
+def memory_store(tmp_path: Path) -> Any:
+    return InMemoryEffectStore()
+
+
+# name -> factory; the journal modules add theirs below.
+STORE_FACTORIES: dict[str, StoreFactory] = {
+    "memory": memory_store,
+}
+
+
+def store_events(store: Any, call_id: str | None = None) -> list[Any]:
+    """The store's log in seq order (objects with at least seq, kind, call_id, tool, attempt, reason)."""
+    return list(store.events(call_id=call_id))
+
+
+def close_store(store: Any) -> None:
+    close = getattr(store, "close", None)
+    if close is not None:
+        close()
