@@ -1,0 +1,179 @@
+"""The hash chain: the byte rule of an event's hash, and checking a chain of events or exported lines.
+
+``hash = sha256(prev_hash.encode("ascii") + canonical_json(body)).hexdigest()`` where ``body`` holds
+``seq, at, call_id, kind, tool, agent_id, idempotency_key, arguments_sha256, value_sha256, error,
+reason, actor, attempt, owner`` as the export shows them, and ``canonical_json`` is orjson with
+sorted keys and no whitespace (``guard.canonical``). The first ``prev_hash`` is :data:`GENESIS`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import orjson
+
+from guard.canonical import canonical_bytes
+from guard.store import format_at
+
+from .events import JournalEvent, VerifyReport, text_sha256
+
+__all__ = ["GENESIS", "ChainCheck", "compute_hash", "event_body", "hash_of", "verify_lines"]
+
+GENESIS = "0" * 64
+
+_SORTED = orjson.OPT_SORT_KEYS
+_LINE_FIELDS = ("seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments_sha256",
+                "value_sha256", "error", "reason", "actor", "attempt", "owner", "prev_hash", "hash")
+
+
+def event_body(
+    *,
+    seq: int,
+    at: str,
+    call_id: str | None,
+    kind: str,
+    tool: str,
+    agent_id: str | None,
+    idempotency_key: str | None,
+    arguments_sha256: str | None,
+    value_sha256: str | None,
+    error: Mapping[str, Any] | None,
+    reason: Mapping[str, Any] | None,
+    actor: str,
+    attempt: int,
+    owner: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The object whose canonical JSON an event's hash covers; ``at`` is the exported ISO string."""
+    return {
+        "seq": seq, "at": at, "call_id": call_id, "kind": kind, "tool": tool, "agent_id": agent_id,
+        "idempotency_key": idempotency_key, "arguments_sha256": arguments_sha256,
+        "value_sha256": value_sha256, "error": error, "reason": reason, "actor": actor,
+        "attempt": attempt, "owner": owner,
+    }
+
+
+def compute_hash(prev_hash: str, body: Mapping[str, Any]) -> str:
+    """``sha256(prev_hash.encode("ascii") + canonical_json(body)).hexdigest()``.
+
+    Raises ``ValueError`` when ``prev_hash`` is not ASCII or the body has no canonical JSON form.
+    """
+    try:
+        # A body holds plain JSON values (stores canonicalise error, reason, owner on the way in),
+        # for which orjson with sorted keys is the canonical rule, and cheaper.
+        encoded = orjson.dumps(body, option=_SORTED)
+    except TypeError:
+        encoded = canonical_bytes(dict(body))
+    return hashlib.sha256(prev_hash.encode("ascii") + encoded).hexdigest()
+
+
+def hash_of(event: JournalEvent) -> str:
+    """The hash ``event`` should carry, recomputed from its stored fields and its ``prev_hash``."""
+    return compute_hash(event.prev_hash, event_body(
+        seq=event.seq, at=format_at(event.at), call_id=event.call_id, kind=event.kind, tool=event.tool,
+        agent_id=event.agent_id, idempotency_key=event.idempotency_key,
+        arguments_sha256=text_sha256(event.arguments), value_sha256=text_sha256(event.value),
+        error=event.error, reason=event.reason, actor=event.actor, attempt=event.attempt, owner=event.owner,
+    ))
+
+
+class ChainCheck:
+    """Checks events one at a time, in ``seq`` order: each hash, each link, no gaps.
+
+    ``feed`` returns False at the first bad event; :meth:`report` then names it.
+    """
+
+    __slots__ = ("_allow_gaps", "_bad_seq", "_count", "_head", "_last_seq", "_problem")
+
+    def __init__(self, allow_gaps: bool = False) -> None:
+        self._allow_gaps = allow_gaps
+        self._count = 0
+        self._last_seq = 0
+        self._head = GENESIS
+        self._bad_seq: int | None = None
+        self._problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self._problem is None
+
+    def fail(self, seq: int | None, problem: str) -> bool:
+        """Record the first problem (later ones are ignored) and return False."""
+        if self._problem is None:
+            self._bad_seq, self._problem = seq, problem
+        return False
+
+    def feed(self, seq: int, prev_hash: str, stored_hash: str, expected_hash: str) -> bool:
+        """Check one event whose recomputed hash is ``expected_hash``."""
+        if self._problem is not None:
+            return False
+        if seq <= self._last_seq:
+            return self.fail(seq, f"seq {seq} does not follow seq {self._last_seq}")
+        linked = seq == self._last_seq + 1
+        if not linked and not self._allow_gaps:
+            return self.fail(seq, f"seq {seq} follows seq {self._last_seq}: events are missing")
+        if linked and prev_hash != self._head:
+            return self.fail(seq, f"seq {seq} does not link to the hash of the event before it")
+        if stored_hash != expected_hash:
+            return self.fail(seq, f"seq {seq} has been altered: its hash does not match its fields")
+        self._count += 1
+        self._last_seq = seq
+        self._head = stored_hash
+        return True
+
+    def report(self) -> VerifyReport:
+        return VerifyReport(
+            ok=self._problem is None, events=self._count, head=self._head,
+            first_bad_seq=self._bad_seq, problem=self._problem,
+        )
+
+
+def _line_digest(line: Mapping[str, Any], field: str, redacted: object) -> str | None:
+    """The digest the line claims for ``field``, checked against the field's value unless redacted."""
+    claimed = line[f"{field}_sha256"]
+    if isinstance(redacted, list) and field in redacted:
+        return claimed  # type: ignore[no-any-return]
+    value = line[field]
+    actual = None if value is None else hashlib.sha256(canonical_bytes(value)).hexdigest()
+    if actual != claimed:
+        raise ValueError(f"its {field} do not match {field}_sha256")
+    return actual
+
+
+def verify_lines(lines: Iterable[Mapping[str, Any]], allow_gaps: bool = False) -> VerifyReport:
+    """Check an exported JSONL stream offline (each line decoded to a dict), in the order given.
+
+    Every event's hash is recomputed from the line, every link between consecutive ``seq`` s is
+    checked, and a gap in ``seq`` is an error unless ``allow_gaps`` (a filtered export has gaps;
+    its links across a gap cannot be checked). A redacted line verifies through its digests.
+    Returns a :class:`VerifyReport`; it never raises for bad lines.
+    """
+    check = ChainCheck(allow_gaps)
+    for n, line in enumerate(lines, 1):
+        seq = line.get("seq") if isinstance(line, Mapping) else None
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            check.fail(None, f"line {n} has no integer seq")
+            break
+        missing = [f for f in _LINE_FIELDS if f not in line]
+        if missing:
+            check.fail(seq, f"seq {seq} lacks the fields {', '.join(missing)}")
+            break
+        redacted = line.get("redacted", [])
+        try:
+            body = event_body(
+                seq=seq, at=line["at"], call_id=line["call_id"], kind=line["kind"], tool=line["tool"],
+                agent_id=line["agent_id"], idempotency_key=line["idempotency_key"],
+                arguments_sha256=_line_digest(line, "arguments", redacted),
+                value_sha256=_line_digest(line, "value", redacted),
+                error=line["error"], reason=line["reason"], actor=line["actor"], attempt=line["attempt"],
+                owner=line["owner"],
+            )
+            prev_hash, stored_hash = str(line["prev_hash"]), str(line["hash"])
+            expected = compute_hash(prev_hash, body)
+        except (ValueError, TypeError, UnicodeError) as e:
+            check.fail(seq, f"seq {seq} has been altered: {e}")
+            break
+        if not check.feed(seq, prev_hash, stored_hash, expected):
+            break
+    return check.report()

@@ -1,0 +1,41 @@
+"""The journal's one error tree: every storage error reaches a caller as a :class:`JournalError`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CallNotFound",
+    "JournalError",
+    "JournalNotFound",
+    "NewerSchema",
+    "NotAJournal",
+    "NotResolvable",
+    "StoreBusy",
+]
+
+
+class JournalError(Exception):
+    """Something went wrong in a journal; the message is one sentence naming the journal."""
+
+
+class JournalNotFound(JournalError):
+    """A read (or an open with ``create=False``) of a journal that does not exist."""
+
+
+class NotAJournal(JournalError):
+    """The file or database exists but is not an airlock journal; it was left unchanged."""
+
+
+class NewerSchema(JournalError):
+    """The journal was written by a newer version of this library; it was left unchanged."""
+
+
+class CallNotFound(JournalError):
+    """No call with that id is in the journal."""
+
+
+class NotResolvable(JournalError):
+    """The call cannot be resolved: it is not pending or unknown, or its owner process is alive."""
+
+
+class StoreBusy(JournalError):
+    """The journal's write lock was not obtained before the busy deadline."""

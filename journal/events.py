@@ -1,0 +1,120 @@
+"""What a journal hands back: stored events, statistics and verification reports (frozen dataclasses)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from guard.store import EffectEvent, format_at
+
+__all__ = ["JournalEvent", "JournalStats", "VerifyReport", "REDACTABLE", "text_sha256"]
+
+# Only these enter the hash as digests, so only these can be blanked out of a verifiable export.
+REDACTABLE: frozenset[str] = frozenset({"arguments", "value"})
+
+
+def text_sha256(text: str | None) -> str | None:
+    """sha256 hex of a stored canonical JSON text, or None for no text."""
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEvent:
+    """One event as the journal stored it, with its place in the chain.
+
+    ``arguments`` and ``value`` are canonical JSON text; ``error``, ``reason`` and ``owner`` are
+    the decoded JSON objects. ``at`` is an aware UTC datetime.
+    """
+
+    seq: int
+    at: datetime
+    call_id: str | None
+    kind: str
+    tool: str
+    agent_id: str | None
+    idempotency_key: str | None
+    arguments: str | None
+    value: str | None
+    error: dict[str, Any] | None
+    reason: dict[str, Any] | None
+    actor: str
+    attempt: int
+    owner: dict[str, Any] | None
+    prev_hash: str
+    hash: str
+
+    def to_effect_event(self) -> EffectEvent:
+        """The guard's view of this event, with its ``seq``."""
+        return EffectEvent(
+            kind=self.kind, call_id=self.call_id, tool=self.tool, at=self.at, agent_id=self.agent_id,
+            idempotency_key=self.idempotency_key, arguments=self.arguments, value=self.value,
+            error=self.error, reason=self.reason, actor=self.actor, attempt=self.attempt,
+            owner=self.owner if self.owner is not None else {}, seq=self.seq,
+        )
+
+    def export(self, redact: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """The event's export line (a JSON object): every field, JSON values decoded, the two
+        digests, and ``redacted`` naming the fields blanked out (``[]`` when none).
+
+        Raises ``ValueError`` for a field name in ``redact`` that cannot be redacted.
+        """
+        unknown = redact - REDACTABLE
+        if unknown:
+            raise ValueError(
+                f"cannot redact {', '.join(sorted(unknown))}: redactable fields are "
+                f"{', '.join(sorted(REDACTABLE))}"
+            )
+        line: dict[str, Any] = {
+            "seq": self.seq,
+            "at": format_at(self.at),
+            "call_id": self.call_id,
+            "kind": self.kind,
+            "tool": self.tool,
+            "agent_id": self.agent_id,
+            "idempotency_key": self.idempotency_key,
+            "arguments": None if self.arguments is None else orjson.loads(self.arguments),
+            "arguments_sha256": text_sha256(self.arguments),
+            "value": None if self.value is None else orjson.loads(self.value),
+            "value_sha256": text_sha256(self.value),
+            "error": self.error,
+            "reason": self.reason,
+            "actor": self.actor,
+            "attempt": self.attempt,
+            "owner": self.owner,
+            "prev_hash": self.prev_hash,
+            "hash": self.hash,
+        }
+        redacted = sorted(redact)
+        for name in redacted:
+            line[name] = None
+        line["redacted"] = redacted
+        return line
+
+
+@dataclass(frozen=True, slots=True)
+class JournalStats:
+    """Counts of calls by status and tool, and when the oldest pending and unknown calls entered
+    that status (None when there is none)."""
+
+    calls: int
+    events: int
+    by_status: dict[str, int]
+    by_tool: dict[str, int]
+    oldest_pending_at: datetime | None
+    oldest_unknown_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """The result of checking a journal or an export: ``ok``, how many ``events`` were checked,
+    the ``head`` hash, and on failure the ``first_bad_seq`` and a one-sentence ``problem``."""
+
+    ok: bool
+    events: int
+    head: str
+    first_bad_seq: int | None = None
+    problem: str | None = None
