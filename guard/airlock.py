@@ -168,12 +168,12 @@ class _Call:
                 f"The tool {name!r} has side effects and this call carries no tool call id, so it cannot "
                 "be run at most once; it was not run.",
             )
+        bind_error: str | None = None
         try:
             bound, passed = tool.binder.bind(self.args, self.kwargs)
         except TypeError as e:
             bound, passed, bind_error = None, set(), str(e)
         else:
-            bind_error = None
             try:
                 self.arguments = canonical_bytes(bound)
                 self.key = key_from_canonical(name, self.arguments)
