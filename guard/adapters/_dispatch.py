@@ -1,0 +1,300 @@
+"""The core every host adapter shares: find the tool, check the arguments, run it under the call's id.
+
+A host adapter reads a provider's tool call into a name, an id and the model's arguments, hands them
+to :func:`dispatch` or :func:`adispatch`, and shapes the :class:`Outcome` into what the provider
+expects next. Nothing here imports an SDK.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..airlock import Airlock
+from ..canonical import to_json_value
+from ..context import AirlockContext, get_current_context
+from ..refusal import AirlockBlocked, Refusal, is_refusal, make_refusal
+from ..store import EffectEvent, EffectStore
+
+__all__ = ["Outcome", "Tools", "adispatch", "call_id_of", "dispatch", "field", "tool_table"]
+
+log = logging.getLogger("guard.adapters")
+
+Tools = Mapping[str, Callable[..., Any]] | Iterable[Callable[..., Any]]
+
+_UNKNOWN_TOOL_HINTS = ("Call one of the tools this host offers, by its exact name.",)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one tool call came to.
+
+    ``text`` is what the model reads: the tool's value as JSON, the refusal as JSON, or an error
+    object naming the exception. ``is_error`` is true for a refusal or an exception. ``value`` is the
+    tool's value, the :class:`~guard.Refusal`, or the exception.
+    """
+
+    text: str
+    is_error: bool
+    value: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Guarded:
+    """One tool of the table: the name the model calls it by, and the guard around it."""
+
+    name: str
+    fn: Callable[..., Any]
+    airlock: Airlock
+    guarded: Callable[..., Any]  # the object along the __wrapped__ chain that @Airlock returned
+
+
+def _find_guard(fn: Callable[..., Any]) -> tuple[Airlock, Callable[..., Any]] | None:
+    seen: set[int] = set()
+    obj: Any = fn
+    while obj is not None and id(obj) not in seen:
+        seen.add(id(obj))
+        found = obj.__dict__.get("__airlock__") if hasattr(obj, "__dict__") else None
+        if isinstance(found, Airlock) and "__airlock_tool__" in obj.__dict__:
+            return found, obj
+        obj = getattr(obj, "__wrapped__", None)
+    return None
+
+
+def tool_table(tools: Tools) -> dict[str, _Guarded]:
+    """The tools by the name the model calls them: a mapping as given, a list by ``__name__``.
+
+    Raises ``TypeError`` for a tool that is not decorated with ``@Airlock`` (it would run
+    unguarded) or for ``tools`` of another type, ``ValueError`` for two tools of one name.
+    """
+    if isinstance(tools, str | bytes) or not isinstance(tools, Mapping | Iterable):
+        raise TypeError(
+            "tools is a mapping of tool name to guarded function, or a list of guarded functions, "
+            f"not {type(tools).__name__}"
+        )
+    pairs: list[tuple[str, Any]]
+    if isinstance(tools, Mapping):
+        pairs = list(tools.items())
+    else:
+        pairs = []
+        for fn in tools:
+            name = getattr(fn, "__name__", None)
+            if not isinstance(name, str):
+                raise TypeError(f"a tool in the list must be a guarded function with a __name__, not {fn!r}")
+            pairs.append((name, fn))
+    table: dict[str, _Guarded] = {}
+    for name, fn in pairs:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"a tool's name is a non-empty string, not {name!r}")
+        if not callable(fn):
+            raise TypeError(f"the tool {name!r} is not callable: {fn!r}")
+        found = _find_guard(fn)
+        if found is None:
+            raise TypeError(
+                f"the tool {name!r} is not decorated with @Airlock; an adapter only runs guarded tools"
+            )
+        if name in table:
+            raise ValueError(f"two tools are named {name!r}; give them distinct names in a mapping")
+        table[name] = _Guarded(name, fn, found[0], found[1])
+    return table
+
+
+def _text(value: Any) -> str:
+    """The tool's value as the model reads it: its JSON form (the form a replay returns), else str()."""
+    text = to_json_value(value)
+    return text if text is not None else str(value)
+
+
+def _refusal_text(refusal: Refusal) -> str:
+    return orjson.dumps(dict(refusal), default=str).decode()
+
+
+def _refused(refusal: Refusal) -> Outcome:
+    return Outcome(_refusal_text(refusal), True, refusal)
+
+
+def _raised(tool: _Guarded, call_id: str | None, exc: Exception) -> Outcome:
+    log.warning("tool %r raised (tool_call_id=%s)", tool.name, call_id, exc_info=exc)
+    error = {
+        "success": False,
+        "status": "error",
+        "error": f"The tool {tool.name!r} failed with {type(exc).__name__}: {exc}",
+        "error_type": type(exc).__name__,
+        "message": str(exc),
+    }
+    return Outcome(orjson.dumps(error, default=str).decode(), True, exc)
+
+
+def _finished(result: Any) -> Outcome:
+    if is_refusal(result):
+        return _refused(result)
+    return Outcome(_text(result), False, result)
+
+
+def _stores(table: Mapping[str, _Guarded]) -> list[EffectStore]:
+    stores: list[EffectStore] = []
+    for tool in table.values():
+        eg = tool.airlock.policy.effect_guard
+        if eg is not None and not any(eg.store is s for s in stores):
+            stores.append(eg.store)
+    return stores
+
+
+def _unknown_tool(table: Mapping[str, _Guarded], name: str, call_id: str | None,
+                  agent_id: str | None) -> Outcome:
+    offered = sorted(table)
+    error = f"There is no tool named {name!r}; it was not run. The tools are: {', '.join(offered) or 'none'}."
+    refusal = make_refusal(
+        "policy_violation", error, _UNKNOWN_TOOL_HINTS,
+        {"tool": name, "tool_call_id": call_id, "agent_id": agent_id, "idempotency_key": None,
+         "violation_type": "unknown_tool", "tools": offered},
+    )
+    # The refusal is journaled only where the store is beyond doubt: every tool shares one.
+    stores = _stores(table)
+    if len(stores) == 1:
+        try:
+            stores[0].append(EffectEvent(
+                kind="refused", call_id=call_id, tool=name, agent_id=agent_id,
+                reason={"code": "policy_violation", "message": error},
+            ))
+        except Exception as e:
+            log.error("store could not record refused for unknown tool %r (tool_call_id=%s): %r", name, call_id, e)
+    return _refused(refusal)
+
+
+def _refuse_arguments(tool: _Guarded, problem: str, **details: Any) -> Outcome:
+    error = f"The arguments to {tool.name!r} {problem}; it was not run."
+    try:
+        refusal = tool.airlock.refuse(
+            tool.guarded, "arguments_not_canonical", error, violation_type="arguments_invalid", **details,
+        )
+    except AirlockBlocked as blocked:
+        refusal = blocked.refusal
+    return _refused(refusal)
+
+
+def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
+    """The model's arguments as keyword arguments that fit the tool, or the refusal saying why not."""
+    if isinstance(arguments, str | bytes | bytearray):
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError as e:
+            return _refuse_arguments(tool, f"are not valid JSON ({e})")
+    if not isinstance(arguments, Mapping):
+        return _refuse_arguments(
+            tool, f"are not a JSON object of named arguments (got {_json_kind(arguments)})",
+        )
+    kwargs = dict(arguments)
+    parameters = inspect.signature(tool.fn).parameters
+    try:
+        inspect.signature(tool.fn).bind(**kwargs)
+    except TypeError as e:
+        return _refuse_arguments(
+            tool, f"do not fit its signature ({e})",
+            parameters=[p for p in parameters if parameters[p].kind not in (
+                inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)],
+        )
+    return kwargs
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    return type(value).__name__
+
+
+def _context(call_id: str | None, agent_id: str | None, metadata: Mapping[str, Any] | None) -> AirlockContext:
+    """The call's context: the host's own (its agent and metadata) refined by this call's id."""
+    host = get_current_context()
+    merged: dict[str, Any] = dict(host.metadata) if host is not None else {}
+    if metadata:
+        merged.update(metadata)
+    merged.pop("tool_call_id", None)
+    if call_id is not None:
+        merged["tool_call_id"] = call_id
+    if agent_id is None and host is not None:
+        agent_id = host.agent_id
+    return AirlockContext(agent_id=agent_id, metadata=merged)
+
+
+def dispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
+             agent_id: str | None = None, metadata: Mapping[str, Any] | None = None) -> Outcome:
+    """Run one tool call of a synchronous host.
+
+    ``arguments`` is the model's JSON text, or an already decoded mapping. ``call_id`` becomes the
+    context's ``metadata["tool_call_id"]``. Raises ``TypeError`` for an ``async def`` tool (use
+    :func:`adispatch`) and for ``tools`` that are not guarded functions; every problem of the model's
+    making (an unknown tool, arguments that do not fit, a refusal, an exception) is an :class:`Outcome`.
+    """
+    table = tool_table(tools)
+    with _context(call_id, agent_id, metadata) as ctx:
+        tool = table.get(name)
+        if tool is None:
+            return _unknown_tool(table, name, call_id, ctx.agent_id)
+        if inspect.iscoroutinefunction(tool.fn):
+            raise TypeError(f"the tool {name!r} is an async def; dispatch it with adispatch")
+        kwargs = _parse(tool, arguments)
+        if isinstance(kwargs, Outcome):
+            return kwargs
+        try:
+            result = tool.fn(**kwargs)
+        except AirlockBlocked as blocked:
+            return _refused(blocked.refusal)
+        except Exception as e:
+            return _raised(tool, call_id, e)
+    return _finished(result)
+
+
+async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
+                    agent_id: str | None = None, metadata: Mapping[str, Any] | None = None) -> Outcome:
+    """Run one tool call of an async host: an ``async def`` tool is awaited, a ``def`` tool called.
+
+    An awaitable that a ``def`` tool returns is awaited too (the guard has recorded that call
+    ``unknown``, as for any deferred result). Otherwise as :func:`dispatch`.
+    """
+    table = tool_table(tools)
+    async with _context(call_id, agent_id, metadata) as ctx:
+        tool = table.get(name)
+        if tool is None:
+            return _unknown_tool(table, name, call_id, ctx.agent_id)
+        kwargs = _parse(tool, arguments)
+        if isinstance(kwargs, Outcome):
+            return kwargs
+        try:
+            result = tool.fn(**kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+        except AirlockBlocked as blocked:
+            return _refused(blocked.refusal)
+        except Exception as e:
+            return _raised(tool, call_id, e)
+    return _finished(result)
+
+
+def call_id_of(value: Any, what: str) -> str:
+    """A tool call's id as the provider gave it: a non-empty string, else ``ValueError``/``TypeError``."""
+    if value is None or value == "":
+        raise ValueError(f"the {what} has no id; the provider's reply must name the call it answers")
+    if not isinstance(value, str):
+        raise TypeError(f"the {what}'s id is a string, not {type(value).__name__}")
+    return value
+
+
+def field(obj: Any, name: str) -> Any:
+    """``obj[name]`` of a dict, ``obj.name`` of an SDK object; None when absent."""
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
