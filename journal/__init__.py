@@ -1,3 +1,29 @@
 """Durable EffectStores on an append-only, hash-chained event log."""
 
-__all__: list[str] = []
+from .errors import (
+    CallNotFound,
+    JournalError,
+    JournalNotFound,
+    NewerSchema,
+    NotAJournal,
+    NotResolvable,
+    StoreBusy,
+)
+from .events import JournalEvent, JournalStats, VerifyReport
+from .open import open_journal
+from .sqlite import SQLiteJournal
+
+__all__ = [
+    "CallNotFound",
+    "JournalError",
+    "JournalEvent",
+    "JournalNotFound",
+    "JournalStats",
+    "NewerSchema",
+    "NotAJournal",
+    "NotResolvable",
+    "SQLiteJournal",
+    "StoreBusy",
+    "VerifyReport",
+    "open_journal",
+]

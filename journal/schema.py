@@ -1,0 +1,176 @@
+"""The SQLite schema of a journal, its version, and how an existing file is recognised and migrated.
+
+A journal is marked twice: ``PRAGMA application_id`` and a ``meta`` table naming the application.
+``PRAGMA user_version`` is the schema version; ``MIGRATIONS[v]`` takes a journal from ``v - 1`` to ``v``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import sqlite_utils
+
+__all__ = [
+    "APPLICATION",
+    "APPLICATION_ID",
+    "LATEST",
+    "MIGRATIONS",
+    "FileKind",
+    "inspect",
+    "migrate",
+    "read_kind",
+    "readonly_uri",
+]
+
+APPLICATION = "airlock-journal"
+APPLICATION_ID = 0x41524C4B  # "ARLK"
+_HEADER = b"SQLite format 3\x00"
+KINDS = ("pending", "committed", "unknown", "released", "replayed", "refused")
+STATUSES = ("pending", "committed", "unknown", "released")
+
+
+def _kinds(names: tuple[str, ...]) -> str:
+    return ", ".join(f"'{n}'" for n in names)
+
+
+_V1 = f"""
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+INSERT INTO meta (key, value) VALUES ('application', '{APPLICATION}');
+CREATE TABLE events (
+    seq INTEGER PRIMARY KEY,
+    at TEXT NOT NULL,
+    call_id TEXT,
+    kind TEXT NOT NULL CHECK (kind IN ({_kinds(KINDS)})),
+    tool TEXT NOT NULL,
+    agent_id TEXT,
+    idempotency_key TEXT,
+    arguments TEXT,
+    value TEXT,
+    error TEXT,
+    reason TEXT,
+    actor TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    owner TEXT,
+    prev_hash TEXT NOT NULL,
+    hash TEXT NOT NULL
+);
+CREATE INDEX events_call_id ON events (call_id, seq);
+CREATE INDEX events_at ON events (at);
+CREATE TRIGGER events_no_update BEFORE UPDATE ON events
+BEGIN
+    SELECT RAISE(ABORT, 'the event log is append-only: an event cannot be changed');
+END;
+CREATE TRIGGER events_no_delete BEFORE DELETE ON events
+BEGIN
+    SELECT RAISE(ABORT, 'the event log is append-only: an event cannot be deleted');
+END;
+CREATE TABLE calls (
+    call_id TEXT PRIMARY KEY,
+    tool TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ({_kinds(STATUSES)})),
+    attempt INTEGER NOT NULL,
+    agent_id TEXT,
+    idempotency_key TEXT,
+    arguments TEXT,
+    value TEXT,
+    error TEXT,
+    reason TEXT,
+    actor TEXT NOT NULL,
+    owner TEXT,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    since TEXT NOT NULL,
+    last_seq INTEGER NOT NULL
+);
+CREATE INDEX calls_updated_at ON calls (updated_at DESC, call_id);
+CREATE INDEX calls_status ON calls (status, since);
+"""
+
+
+def _create_v1(conn: sqlite3.Connection) -> None:
+    # executescript would COMMIT the open transaction; run the statements one by one inside it.
+    for statement in _split(_V1):
+        conn.execute(statement)
+
+
+def _split(script: str) -> list[str]:
+    statements, current = [], ""
+    for line in script.strip().splitlines():
+        current += line + "\n"
+        if sqlite3.complete_statement(current):
+            statements.append(current.strip())
+            current = ""
+    return statements
+
+
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _create_v1}
+LATEST = max(MIGRATIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class FileKind:
+    """What an existing file is: ``blank`` (empty, a journal may be made in it), ``journal`` (of
+    ``version``), or ``foreign`` (with ``why``: a sentence fragment)."""
+
+    kind: str
+    version: int = 0
+    why: str = ""
+
+
+def read_kind(conn: sqlite3.Connection) -> FileKind:
+    """Classify the database behind ``conn`` without writing to it."""
+    app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    tables = set(sqlite_utils.Database(conn).table_names())
+    if not tables and app_id == 0 and version == 0:
+        return FileKind("blank")
+    marked = "meta" in tables and conn.execute(
+        "SELECT value FROM meta WHERE key = 'application'"
+    ).fetchone() == (APPLICATION,)
+    if app_id not in (0, APPLICATION_ID) or not marked:
+        return FileKind("foreign", why="is a SQLite database of another application")
+    return FileKind("journal", version)
+
+
+def inspect(path: Path) -> FileKind:
+    """Classify the file at ``path`` (which exists) through a read-only connection; changes nothing
+    in it. A file of zero bytes is blank."""
+    with path.open("rb") as f:
+        header = f.read(len(_HEADER))
+    if not header:
+        return FileKind("blank")
+    if header != _HEADER:
+        return FileKind("foreign", why="is not a SQLite database")
+    try:
+        conn = sqlite3.connect(readonly_uri(path), uri=True)
+    except sqlite3.Error as e:
+        return FileKind("foreign", why=f"cannot be read as a SQLite database ({e})")
+    try:
+        return read_kind(conn)
+    except sqlite3.Error as e:
+        return FileKind("foreign", why=f"cannot be read as a SQLite database ({e})")
+    finally:
+        conn.close()
+
+
+def readonly_uri(path: Path) -> str:
+    """The URI that opens ``path`` read-only: nothing can be written through it."""
+    return f"file:{quote(str(path.resolve()))}?mode=ro"
+
+
+def migrate(conn: sqlite3.Connection, version: int) -> int:
+    """Bring a journal of ``version`` (0: blank) to :data:`LATEST` inside the caller's write
+    transaction; returns the new version."""
+    for target in range(version + 1, LATEST + 1):
+        MIGRATIONS[target](conn)
+        conn.execute(f"PRAGMA user_version = {target}")
+    if version == 0:
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    return LATEST

@@ -1,0 +1,648 @@
+"""The SQLite journal: an EffectStore on one file that processes on one host share.
+
+Writes run in ``BEGIN IMMEDIATE`` transactions on a WAL database; the event insert and the
+projection update share one. With ``durability="full"`` a transaction that records ``pending`` is
+committed with ``synchronous=FULL`` (fsynced before ``begin`` returns); every other transaction is
+committed with ``synchronous=NORMAL`` and becomes durable with the next fsync, so a guarded call
+costs one fsync.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import orjson
+
+from guard.canonical import canonical_bytes
+from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, current_owner, format_at, parse_at
+
+from . import schema
+from .chain import GENESIS, ChainCheck, compute_hash, hash_of
+from .errors import (
+    CallNotFound,
+    JournalError,
+    JournalNotFound,
+    NewerSchema,
+    NotAJournal,
+    NotResolvable,
+    StoreBusy,
+)
+from .events import JournalEvent, JournalStats, VerifyReport, text_sha256
+from .owner import owner_alive
+from .projection import fold_into
+
+__all__ = ["SQLiteJournal"]
+
+T = TypeVar("T")
+Durability = Literal["full", "process"]
+
+_FULL, _NORMAL = "FULL", "NORMAL"
+_BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+_BATCH = 1000
+_SORTED = orjson.OPT_SORT_KEYS
+# Connections inherited through fork are never used or closed in the child (closing one could
+# checkpoint and delete a WAL that the parent still writes); they are parked here instead.
+_INHERITED: list[sqlite3.Connection] = []
+
+_EVENT_COLUMNS = ("seq, at, call_id, kind, tool, agent_id, idempotency_key, arguments, value, error, reason, "
+                  "actor, attempt, owner, prev_hash, hash")
+_CALL_COLUMNS = ("call_id, tool, status, attempt, agent_id, idempotency_key, arguments, value, error, reason, "
+                 "actor, owner, created_at, updated_at, since, last_seq")
+_INSERT_EVENT = f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+_UPSERT_CALL = (
+    f"INSERT INTO calls ({_CALL_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
+    "ON CONFLICT (call_id) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in _CALL_COLUMNS.split(", ")[1:])
+)
+_SELECT_CALL = f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?"
+_SELECT_HEAD = "SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1"
+
+
+class _NeedsFull(Exception):
+    """The transaction would record ``pending`` at synchronous=NORMAL: roll back, redo at FULL."""
+
+
+def _busy(e: sqlite3.Error) -> bool:
+    return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
+
+
+def _json_text(obj: Mapping[str, Any] | None) -> str | None:
+    """The canonical JSON text of an error, reason or owner object."""
+    if obj is None:
+        return None
+    try:
+        return orjson.dumps(obj if type(obj) is dict else dict(obj), option=_SORTED).decode()
+    except TypeError:
+        return canonical_bytes(dict(obj)).decode()
+
+
+def _plain(obj: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return obj if obj is None or type(obj) is dict else dict(obj)
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else orjson.loads(text)
+
+
+def _canonical_text(text: str | None, what: str) -> str | None:
+    """``text`` (JSON) in its canonical form; ``ValueError`` when it is not JSON."""
+    if text is None:
+        return None
+    try:
+        return canonical_bytes(orjson.loads(text)).decode()
+    except (orjson.JSONDecodeError, ValueError) as e:
+        raise ValueError(f"the {what} is not valid JSON: {e}") from e
+
+
+def _record_of(row: tuple[Any, ...]) -> CallRecord:
+    return CallRecord(
+        call_id=row[0], tool=row[1], status=row[2], attempt=row[3], agent_id=row[4], idempotency_key=row[5],
+        arguments=row[6], value=row[7], error=_loads(row[8]), reason=_loads(row[9]), actor=row[10],
+        owner=_loads(row[11]), created_at=parse_at(row[12]), updated_at=parse_at(row[13]),
+        since=parse_at(row[14]), last_seq=row[15],
+    )
+
+
+def _event_of(row: tuple[Any, ...]) -> JournalEvent:
+    return JournalEvent(
+        seq=row[0], at=parse_at(row[1]), call_id=row[2], kind=row[3], tool=row[4], agent_id=row[5],
+        idempotency_key=row[6], arguments=row[7], value=row[8], error=_loads(row[9]), reason=_loads(row[10]),
+        actor=row[11], attempt=row[12], owner=_loads(row[13]), prev_hash=row[14], hash=row[15],
+    )
+
+
+def _call_row(record: CallRecord, at: datetime, at_text: str) -> tuple[Any, ...]:
+    def when(t: datetime) -> str:
+        return at_text if t is at else format_at(t)
+
+    return (
+        record.call_id, record.tool, record.status, record.attempt, record.agent_id, record.idempotency_key,
+        record.arguments, record.value, _json_text(record.error), _json_text(record.reason), record.actor,
+        _json_text(record.owner), when(record.created_at), when(record.updated_at), when(record.since),
+        record.last_seq,
+    )
+
+
+def _event_filter(
+    call_id: str | None, tool: str | None, agent_id: str | None, since: datetime | None,
+    until: datetime | None, after_seq: int,
+) -> tuple[str, list[Any]]:
+    clauses: list[str] = ["seq > ?"]
+    params: list[Any] = [after_seq]  # params[0] is the keyset cursor of events()
+    for column, wanted in (("call_id", call_id), ("tool", tool), ("agent_id", agent_id)):
+        if wanted is not None:
+            clauses.append(f"{column} = ?")
+            params.append(wanted)
+    if since is not None:
+        clauses.append("at >= ?")
+        params.append(format_at(since))
+    if until is not None:
+        clauses.append("at < ?")
+        params.append(format_at(until))
+    return " AND ".join(clauses), params
+
+
+class SQLiteJournal:
+    """An :class:`~guard.store.EffectStore` on a SQLite file, with the operator's reads and repairs.
+
+    Args:
+        path: the journal file; created (mode 0600) when missing unless ``create=False`` or ``readonly``.
+        durability: ``"full"`` fsyncs ``pending`` before the tool runs (survives power loss);
+            ``"process"`` survives a crash of the process only, and is faster.
+        busy_timeout: seconds a write waits for the lock before :class:`StoreBusy`.
+        readonly: open without creating or changing anything; writes raise :class:`JournalError`.
+        create: make the journal when the file does not exist.
+
+    Raises :class:`JournalNotFound` (no file, and it may not be created), :class:`NotAJournal`
+    (a foreign file), :class:`NewerSchema`; in the last two cases the file is left unchanged.
+    One object is safe to share between threads; after a fork the child opens its own connection.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        durability: Durability = "full",
+        busy_timeout: float = 30.0,
+        *,
+        readonly: bool = False,
+        create: bool = True,
+    ) -> None:
+        if durability not in ("full", "process"):
+            raise ValueError(f"durability is 'full' or 'process', not {durability!r}")
+        if isinstance(busy_timeout, bool) or not isinstance(busy_timeout, int | float) or not busy_timeout > 0:
+            raise ValueError(f"busy_timeout is a positive number of seconds, not {busy_timeout!r}")
+        self.path = Path(path)
+        self.durability: Durability = durability
+        self.busy_timeout = float(busy_timeout)
+        self.readonly = readonly
+        self._create = create
+        self._lock = threading.RLock()
+        self._sync: str | None = None
+        self._closed = False
+        self._conn = self._open()
+        self._pid = os.getpid()
+
+    # -- opening -------------------------------------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        path = self.path
+        if self.readonly:
+            if not path.exists():
+                raise JournalNotFound(f"There is no journal at {path}.")
+            kind = self._check(self._inspect(), blank_ok=False)
+            if kind.version < schema.LATEST:
+                raise JournalError(
+                    f"The journal {path} has schema version {kind.version} and needs migrating to "
+                    f"{schema.LATEST}; open it once for writing."
+                )
+            conn = self._connect(schema.readonly_uri(path), uri=True)
+            self._sync = _NORMAL
+            return conn
+        if not path.exists():
+            if not self._create:
+                raise JournalNotFound(f"There is no journal at {path}.")
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except FileExistsError:
+                pass  # another process made it first; it is inspected like any existing file
+            except OSError as e:
+                raise JournalError(f"Cannot create the journal {path}: {e.strerror}.") from e
+        # Inspect through a read-only connection first, so a foreign file is never written to.
+        self._check(self._inspect(), blank_ok=True)
+        conn = self._connect(str(path))
+        try:
+            self._retry(conn, lambda: conn.execute("PRAGMA journal_mode = WAL"))
+            self._sync = None
+            self._transaction(conn, _NORMAL, self._initialise)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _inspect(self) -> schema.FileKind:
+        try:
+            return schema.inspect(self.path)
+        except OSError as e:
+            raise JournalError(f"Cannot read the journal {self.path}: {e.strerror}.") from e
+
+    def _check(self, kind: schema.FileKind, blank_ok: bool) -> schema.FileKind:
+        if kind.kind == "foreign":
+            raise NotAJournal(f"The file {self.path} {kind.why}, not an airlock journal; it was left unchanged.")
+        if kind.kind == "blank" and not blank_ok:
+            raise NotAJournal(f"The file {self.path} is an empty database, not an airlock journal.")
+        if kind.version > schema.LATEST:
+            raise NewerSchema(
+                f"The journal {self.path} has schema version {kind.version}, newer than this version of "
+                f"airlock-journal understands ({schema.LATEST}); it was left unchanged."
+            )
+        return kind
+
+    def _initialise(self, conn: sqlite3.Connection) -> None:
+        # Checked again under the write lock: another process may have made or changed it meanwhile.
+        kind = self._check(schema.read_kind(conn), blank_ok=True)
+        if kind.kind == "blank" or kind.version < schema.LATEST:
+            schema.migrate(conn, kind.version)
+
+    def _connect(self, target: str, uri: bool = False) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                target, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False, uri=uri
+            )
+        except sqlite3.Error as e:
+            raise JournalError(f"Cannot open the journal {self.path}: {e}.") from e
+        return conn
+
+    # -- transactions --------------------------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._closed:
+            raise JournalError(f"The journal {self.path} is closed.")
+        if os.getpid() != self._pid:
+            _INHERITED.append(self._conn)
+            self._pid = os.getpid()
+            self._sync = None
+            self._conn = self._open()
+        return self._conn
+
+    def _retry(self, conn: sqlite3.Connection, step: Callable[[], T]) -> T:
+        """Run ``step`` until it is not refused by a lock, within the busy deadline."""
+        deadline = time.monotonic() + self.busy_timeout
+        shortened = False
+        try:
+            while True:
+                try:
+                    return step()
+                except sqlite3.Error as e:
+                    remaining = deadline - time.monotonic()
+                    if not _busy(e):
+                        raise JournalError(f"The journal {self.path} failed: {e}.") from e
+                    if remaining <= 0:
+                        raise StoreBusy(
+                            f"The journal {self.path} stayed locked by another writer for "
+                            f"{self.busy_timeout:g} s."
+                        ) from e
+                    # SQLite's own wait may have been cut short (a WAL being recovered): wait what is left.
+                    conn.execute(f"PRAGMA busy_timeout = {max(1, int(remaining * 1000))}")
+                    shortened = True
+                    time.sleep(min(0.001, remaining))
+        finally:
+            if shortened:
+                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+
+    def _transaction(self, conn: sqlite3.Connection, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction committed at ``sync``, retrying on locks.
+
+        Every sqlite3 error leaves as a :class:`JournalError`.
+        """
+        if self.readonly:
+            raise JournalError(f"The journal {self.path} is open read-only.")
+        level = [sync]
+
+        def attempt() -> T:
+            if self._sync != level[0]:
+                conn.execute(f"PRAGMA synchronous = {level[0]}")
+                self._sync = level[0]
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = body(conn)
+                conn.execute("COMMIT")
+            except BaseException as e:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                if isinstance(e, _NeedsFull):
+                    level[0] = _FULL
+                    return attempt()
+                raise
+            return result
+
+        return self._retry(conn, attempt)
+
+    def _write(self, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            return self._transaction(self._connection(), sync, body)
+
+    def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            conn = self._connection()
+            return self._retry(conn, lambda: body(conn))
+
+    # -- the EffectStore protocol --------------------------------------------------------------
+
+    def begin(self, call_id: str, decide: Decide) -> Decision:
+        """Decide and record one attempt of ``call_id`` atomically (see :class:`~guard.store.EffectStore`).
+
+        Raises :class:`StoreBusy` past the busy deadline, :class:`JournalError` on any other failure.
+        """
+        full = self.durability == "full"
+
+        def step(conn: sqlite3.Connection) -> Decision:
+            row = conn.execute(_SELECT_CALL, (call_id,)).fetchone()
+            record = None if row is None else _record_of(row)
+            decision = decide(record)
+            if full and self._sync != _FULL and decision.event.kind == "pending":
+                raise _NeedsFull
+            self._append(conn, decision.event, record)
+            return decision
+
+        with self._lock:
+            conn = self._connection()
+            sync = _NORMAL
+            if full:
+                # A committed call is replayed or refused, which need no fsync; anything else may run.
+                status = self._retry(conn, lambda: conn.execute(
+                    "SELECT status FROM calls WHERE call_id = ?", (call_id,)).fetchone())
+                sync = _NORMAL if status == ("committed",) else _FULL
+            return self._transaction(conn, sync, step)
+
+    def append(self, event: EffectEvent) -> None:
+        """Record an outcome or a refusal outside ``begin``; it becomes durable with the next fsync."""
+        sync = _FULL if event.kind == "pending" and self.durability == "full" else _NORMAL
+
+        def step(conn: sqlite3.Connection) -> None:
+            record = None
+            if event.call_id is not None:
+                row = conn.execute(_SELECT_CALL, (event.call_id,)).fetchone()
+                record = None if row is None else _record_of(row)
+            self._append(conn, event, record)
+
+        self._write(sync, step)
+
+    def get(self, call_id: str) -> CallRecord | None:
+        """The current record of ``call_id``, or None."""
+        row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
+        return None if row is None else _record_of(row)
+
+    def _append(self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None) -> tuple[int, str, str]:
+        """Insert ``event`` after the head and fold it into the projection; returns (seq, prev, hash)."""
+        head = conn.execute(_SELECT_HEAD).fetchone()
+        seq, prev = (1, GENESIS) if head is None else (head[0] + 1, head[1])
+        at_text = format_at(event.at)
+        error, reason, owner = _plain(event.error), _plain(event.reason), _plain(event.owner)
+        error_text, reason_text, owner_text = _json_text(error), _json_text(reason), _json_text(owner)
+        arguments, value = event.arguments, event.value
+        digest = compute_hash(prev, {
+            "seq": seq, "at": at_text, "call_id": event.call_id, "kind": event.kind, "tool": event.tool,
+            "agent_id": event.agent_id, "idempotency_key": event.idempotency_key,
+            "arguments_sha256": text_sha256(arguments), "value_sha256": text_sha256(value),
+            "error": error, "reason": reason, "actor": event.actor, "attempt": event.attempt, "owner": owner,
+        })
+        conn.execute(_INSERT_EVENT, (
+            seq, at_text, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
+            arguments, value, error_text, reason_text, event.actor, event.attempt, owner_text, prev, digest,
+        ))
+        folded = apply(record, event, seq)
+        if folded is not None and folded is not record:
+            conn.execute(_UPSERT_CALL, _call_row(folded, event.at, at_text))
+        return seq, prev, digest
+
+    # -- reads for operators -------------------------------------------------------------------
+
+    def call(self, call_id: str) -> CallRecord | None:
+        """The current record of ``call_id``, or None (the same as :meth:`get`)."""
+        return self.get(call_id)
+
+    def calls(
+        self,
+        *,
+        status: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        limit: int | None = 50,
+    ) -> list[CallRecord]:
+        """Calls newest first (by ``updated_at``, then ``call_id``), filtered by status, tool, agent and
+        ``updated_at >= since``; at most ``limit`` (None: all)."""
+        clauses: list[str] = ["1"]
+        params: list[Any] = []
+        for column, wanted in (("status", status), ("tool", tool), ("agent_id", agent_id)):
+            if wanted is not None:
+                clauses.append(f"{column} = ?")
+                params.append(wanted)
+        if since is not None:
+            clauses.append("updated_at >= ?")
+            params.append(format_at(since))
+        sql = f"SELECT {_CALL_COLUMNS} FROM calls WHERE {' AND '.join(clauses)} ORDER BY updated_at DESC, call_id"
+        if limit is not None:
+            if limit < 0:
+                raise ValueError(f"limit is a number of calls, 0 or more, not {limit}")
+            sql += f" LIMIT {int(limit)}"
+        rows = self._read(lambda c: c.execute(sql, params).fetchall())
+        return [self._decoded(_record_of, row) for row in rows]
+
+    def call_events(self, call_id: str) -> list[JournalEvent]:
+        """Every event of ``call_id`` (refusals included) in ``seq`` order; [] for an id never seen."""
+        return list(self.events(call_id=call_id))
+
+    def events(
+        self,
+        *,
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        after_seq: int = 0,
+    ) -> Iterator[JournalEvent]:
+        """The events in ``seq`` order, filtered (``since <= at < until``, ``seq > after_seq``), read in
+        batches so that memory stays bounded however long the log is."""
+        where, params = _event_filter(call_id, tool, agent_id, since, until, after_seq)
+        sql = f"SELECT {_EVENT_COLUMNS} FROM events WHERE {where} ORDER BY seq LIMIT {_BATCH}"
+        while True:
+            rows = self._read(lambda c: c.execute(sql, params).fetchall())
+            for row in rows:
+                yield self._decoded(_event_of, row)
+            if len(rows) < _BATCH:
+                return
+            params[0] = rows[-1][0]
+
+    def count_events(
+        self,
+        *,
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        after_seq: int = 0,
+    ) -> int:
+        """How many events :meth:`events` with the same filters would give now."""
+        where, params = _event_filter(call_id, tool, agent_id, since, until, after_seq)
+        row = self._read(lambda c: c.execute(f"SELECT count(*) FROM events WHERE {where}", params).fetchone())
+        return int(row[0])
+
+    def head(self) -> tuple[int, str]:
+        """The last event's seq and hash; ``(0, GENESIS)`` for an empty journal."""
+        row = self._read(lambda c: c.execute(_SELECT_HEAD).fetchone())
+        return (0, GENESIS) if row is None else (int(row[0]), str(row[1]))
+
+    def stats(self) -> JournalStats:
+        """Counts of calls by status and by tool, the number of events, and when the oldest pending
+        and unknown calls entered that status."""
+
+        def read(c: sqlite3.Connection) -> JournalStats:
+            by_status = dict(c.execute("SELECT status, count(*) FROM calls GROUP BY status ORDER BY status"))
+            by_tool = dict(c.execute("SELECT tool, count(*) FROM calls GROUP BY tool ORDER BY tool"))
+            events = c.execute("SELECT count(*) FROM events").fetchone()[0]
+            oldest = dict(c.execute(
+                "SELECT status, min(since) FROM calls WHERE status IN ('pending', 'unknown') GROUP BY status"
+            ))
+            return JournalStats(
+                calls=sum(by_status.values()), events=events, by_status=by_status, by_tool=by_tool,
+                oldest_pending_at=parse_at(oldest["pending"]) if "pending" in oldest else None,
+                oldest_unknown_at=parse_at(oldest["unknown"]) if "unknown" in oldest else None,
+            )
+
+        return self._read(read)
+
+    def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:
+        try:
+            return decode(row)
+        except (ValueError, TypeError) as e:
+            raise JournalError(f"A stored row of the journal {self.path} cannot be read ({e}); run verify.") from e
+
+    # -- verification and repair ---------------------------------------------------------------
+
+    def verify(self) -> VerifyReport:
+        """Recompute the hash chain from the stored fields, check that ``seq`` is gapless from 1, and
+        compare the projection with the fold of the log, on one consistent snapshot."""
+        with self._lock:
+            self._connection()
+        snapshot = self._connect(schema.readonly_uri(self.path), uri=True)
+        try:
+            return self._retry(snapshot, lambda: self._verify(snapshot))
+        finally:
+            snapshot.close()
+
+    def _verify(self, conn: sqlite3.Connection) -> VerifyReport:
+        check = ChainCheck()
+        folded: dict[str, CallRecord] = {}
+        conn.execute("BEGIN")  # one read transaction: a snapshot that concurrent writers do not move
+        try:
+            for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
+                try:
+                    event = _event_of(row)
+                    expected = hash_of(event)
+                except (ValueError, TypeError) as e:
+                    check.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
+                    break
+                if not check.feed(event.seq, event.prev_hash, event.hash, expected):
+                    break
+                fold_into(folded, event)
+            if not check.ok:
+                return check.report()
+            for row in conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"):
+                expected_record = folded.pop(row[0], None)
+                try:
+                    record = _record_of(row)
+                except (ValueError, TypeError):
+                    record = None
+                if record != expected_record:
+                    seq = expected_record.last_seq if expected_record is not None else row[15]
+                    check.fail(seq, f"the projection of call {row[0]!r} differs from the log; run rebuild")
+                    return check.report()
+            if folded:
+                call_id, record = min(folded.items(), key=lambda item: item[1].last_seq)
+                check.fail(record.last_seq, f"the projection lacks call {call_id!r}; run rebuild")
+            return check.report()
+        finally:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+
+    def rebuild(self) -> int:
+        """Rebuild the projection from the log through the fold, in one transaction; returns the
+        number of calls."""
+
+        def step(conn: sqlite3.Connection) -> int:
+            folded: dict[str, CallRecord] = {}
+            for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
+                fold_into(folded, self._decoded(_event_of, row))
+            conn.execute("DELETE FROM calls")
+            conn.executemany(_UPSERT_CALL, (_call_row(r, r.updated_at, format_at(r.updated_at))
+                                            for r in folded.values()))
+            return len(folded)
+
+        return self._write(_FULL if self.durability == "full" else _NORMAL, step)
+
+    def resolve(
+        self,
+        call_id: str,
+        *,
+        applied: bool,
+        reason: str,
+        operator: str,
+        value: str | None = None,
+        force: bool = False,
+    ) -> JournalEvent:
+        """Settle a ``pending`` or ``unknown`` call as the backend confirmed it.
+
+        ``applied=True`` appends ``committed`` (with ``value``, JSON text, stored canonicalised; None
+        for none), ``applied=False`` appends ``released``; by ``operator:NAME`` at the call's attempt.
+        Raises :class:`CallNotFound`, :class:`NotResolvable` (another status, or a pending call whose
+        owner process is alive on this host, unless ``force``), ``ValueError`` for a ``value`` that is
+        not JSON or given with ``applied=False``. Nothing changes when it raises.
+        """
+        if value is not None and not applied:
+            raise ValueError("a value can only be given for a call whose effect was applied")
+        if not operator:
+            raise ValueError("the operator's name is needed")
+        stored_value = _canonical_text(value, "value")
+
+        def step(conn: sqlite3.Connection) -> JournalEvent:
+            row = conn.execute(_SELECT_CALL, (call_id,)).fetchone()
+            if row is None:
+                raise CallNotFound(f"The journal {self.path} has no call {call_id!r}.")
+            record = _record_of(row)
+            if record.status not in ("pending", "unknown"):
+                raise NotResolvable(
+                    f"The call {call_id!r} in {self.path} is {record.status}; only a pending or unknown "
+                    "call can be resolved."
+                )
+            if record.status == "pending" and not force and owner_alive(record.owner):
+                pid = record.owner.get("pid") if record.owner else None
+                raise NotResolvable(
+                    f"The call {call_id!r} in {self.path} is pending and its owner process (pid {pid}) is "
+                    "alive on this host, so it may still finish; --force overrides."
+                )
+            event = EffectEvent(
+                kind="committed" if applied else "released", call_id=call_id, tool=record.tool,
+                agent_id=record.agent_id, idempotency_key=record.idempotency_key, arguments=record.arguments,
+                value=stored_value,
+                reason={"code": "applied" if applied else "not_applied", "message": reason},
+                actor=f"operator:{operator}", attempt=record.attempt, owner=current_owner(),
+            )
+            seq, prev, digest = self._append(conn, event, record)
+            return JournalEvent(
+                seq=seq, at=event.at, call_id=call_id, kind=event.kind, tool=event.tool,
+                agent_id=event.agent_id, idempotency_key=event.idempotency_key, arguments=event.arguments,
+                value=event.value, error=None, reason=dict(event.reason or {}), actor=event.actor,
+                attempt=event.attempt, owner=dict(event.owner), prev_hash=prev, hash=digest,
+            )
+
+        return self._write(_FULL if self.durability == "full" else _NORMAL, step)
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection; the object cannot be used afterwards. Closing twice is harmless."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if os.getpid() == self._pid:
+                    self._conn.close()
+
+    def __enter__(self) -> SQLiteJournal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = ", readonly=True" if self.readonly else ""
+        return f"SQLiteJournal({str(self.path)!r}, durability={self.durability!r}{mode})"
