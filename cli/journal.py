@@ -1,0 +1,396 @@
+"""``airlock journal ...``: inspect calls, settle the ones in doubt, export and verify the audit trail."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import click
+import orjson
+from click.core import ParameterSource
+
+from journal import open_journal
+from journal.chain import verify_lines
+from journal.events import REDACTABLE
+
+from . import render
+from .export import NotJsonLines, read_export, write_events
+from .options import MOMENT, FieldList, Group, db_option, json_option
+
+STATUSES = ("pending", "committed", "unknown", "released")
+
+
+@click.group(cls=Group)
+def journal() -> None:
+    """Inspect and settle the calls in an effect journal, and export or verify its audit trail.
+
+    The journal is --db, else $AIRLOCK_JOURNAL, else ./airlock-journal.db; a postgresql:// URL
+    names a PostgreSQL journal. Commands that only read never create or change it.
+
+    Example:
+
+        airlock journal show --status unknown
+    """
+
+
+def _echo_lines(lines: list[str]) -> None:
+    click.echo("\n".join(lines))
+
+
+def _stdout() -> BinaryIO:
+    return click.get_binary_stream("stdout")
+
+
+@contextmanager
+def _quiet_broken_pipe() -> Iterator[None]:
+    """``... | head`` closes the pipe early: stop writing without a traceback."""
+    try:
+        yield
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(1)
+
+
+# -- show ----------------------------------------------------------------------------------------
+
+
+@journal.command()
+@click.argument("call_id", required=False)
+@click.option("--status", type=click.Choice(STATUSES, case_sensitive=False), help="Only calls in this status.")
+@click.option("--tool", help="Only calls of this tool.")
+@click.option("--agent", "agent_id", help="Only calls of this agent.")
+@click.option("--since", type=MOMENT, help="Only calls updated since: ISO-8601, or an age like 10m, 2h, 3d.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many calls.")
+@json_option
+@db_option
+@click.pass_context
+def show(
+    ctx: click.Context,
+    call_id: str | None,
+    status: str | None,
+    tool: str | None,
+    agent_id: str | None,
+    since: datetime | None,
+    limit: int,
+    as_json: bool,
+    db: str,
+) -> None:
+    """Show the calls, newest first, or one call and every event of it.
+
+    A pending call is marked "owner alive" while the process that recorded it still runs on
+    this host, "owner gone" when it does not. --json prints JSON Lines, one call a line (one
+    object with an "events" list for CALL_ID).
+
+    Example:
+
+        airlock journal show --status unknown --since 2h
+
+        airlock journal show call_7Qx2 --json
+    """
+    if call_id is not None:
+        given = [
+            f"--{name}" for name in ("status", "tool", "agent_id", "since", "limit")
+            if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT
+        ]
+        if given:
+            raise click.UsageError(f"{', '.join(given).replace('agent_id', 'agent')} filter the list of calls; "
+                                   "they cannot be combined with CALL_ID")
+        _show_call(call_id, as_json, db)
+        return
+    with open_journal(db, readonly=True, create=False) as j:
+        records = j.calls(status=status, tool=tool, agent_id=agent_id, since=since, limit=limit)
+        if as_json:
+            with _quiet_broken_pipe():
+                out = _stdout()
+                for record in records:
+                    out.write(render.dumps_line(render.call_json(record)))
+                out.flush()
+            return
+    if not records:
+        click.echo("No calls match.", err=True)
+        return
+    _echo_lines(render.calls_table(records, width=render.terminal_width(), colour=render.use_colour()))
+    if len(records) == limit:
+        click.echo(f"(the newest {limit}; pass --limit for more)", err=True)
+
+
+def _show_call(call_id: str, as_json: bool, db: str) -> None:
+    with open_journal(db, readonly=True, create=False) as j:
+        record = j.call(call_id)
+        events = j.call_events(call_id)
+    if record is None and not events:
+        raise click.ClickException(f"no call {call_id!r} in the journal {db}")
+    if as_json:
+        shown = render.call_json(record) if record is not None else render.unprojected_call_json(call_id, events)
+        shown["events"] = [e.export() for e in events]
+        _stdout().write(render.dumps_line(shown))
+        return
+    colour = render.use_colour()
+    _echo_lines(render.call_lines(call_id, record, events, width=render.terminal_width(), colour=colour))
+    if record is not None and record.status in ("pending", "unknown"):
+        click.echo(
+            f"\nAsk the backend whether idempotency key {record.idempotency_key} was applied, then settle it:\n"
+            f"  airlock journal resolve {call_id} --applied --reason \"...\"      (it happened)\n"
+            f"  airlock journal resolve {call_id} --not-applied --reason \"...\"  (it did not)"
+        )
+
+
+# -- resolve -------------------------------------------------------------------------------------
+
+
+def default_operator() -> str:
+    """Who is at the keyboard: the login name, else ``uid:N``."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):
+        name = ""
+    return name or f"uid:{os.getuid()}"
+
+
+def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        parsed = orjson.loads(value)
+    except orjson.JSONDecodeError as e:
+        raise click.BadParameter(f"{value!r} is not JSON ({e})", ctx, param) from e
+    return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _reason_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise click.BadParameter("say why: the reason is part of the audit trail", ctx, param)
+    return value
+
+
+@journal.command()
+@click.argument("call_id")
+@click.option("--applied", is_flag=True, help="The backend confirms the effect happened: record it committed.")
+@click.option("--not-applied", is_flag=True, help="The backend confirms it did not happen: release the call.")
+@click.option("--value", callback=_json_text, metavar="JSON",
+              help="With --applied: the tool's result as JSON, which replays then return.")
+@click.option("--reason", required=True, callback=_reason_text, help="Why: what the backend said (required).")
+@click.option("--operator", help="Who settles it. [default: your login name]")
+@click.option("--force", is_flag=True, help="Settle a pending call even though its owner process still runs.")
+@json_option
+@db_option
+def resolve(
+    call_id: str,
+    applied: bool,
+    not_applied: bool,
+    value: str | None,
+    reason: str,
+    operator: str | None,
+    force: bool,
+    as_json: bool,
+    db: str,
+) -> None:
+    """Settle a pending or unknown call after checking with the backend.
+
+    --applied appends "committed": replays then return --value, or are refused
+    replay_value_unavailable without one; the tool is never run again. --not-applied appends
+    "released": the next call with this id runs the tool. The event's actor is operator:NAME.
+
+    Example:
+
+        airlock journal resolve call_7Qx2 --applied --value '{"charge_id": "ch_1"}' --reason "ledger shows ch_1"
+
+        airlock journal resolve call_7Qx2 --not-applied --reason "no charge with this key"
+    """
+    if applied == not_applied:
+        raise click.UsageError("give exactly one of --applied or --not-applied")
+    if not_applied and value is not None:
+        raise click.UsageError("--value goes with --applied only: a call that did not happen has no result")
+    operator = default_operator() if operator is None else operator.strip()
+    if not operator:
+        raise click.BadParameter("name who settles the call", param_hint="--operator")
+    with open_journal(db, create=False) as j:
+        event = j.resolve(call_id, applied=applied, reason=reason, operator=operator, value=value, force=force)
+    if as_json:
+        _stdout().write(render.dumps_line(event.export()))
+        return
+    click.echo(f"Appended seq {event.seq}: {event.kind} by {event.actor} for call {call_id} (attempt {event.attempt}).")
+    if event.kind == "released":
+        click.echo("The next call with this id runs the tool again.")
+    elif event.value is not None:
+        click.echo(f"Replays of this call now return {event.value}.")
+    else:
+        click.echo("Replays of this call are refused replay_value_unavailable; it is never run again.")
+
+
+# -- export --------------------------------------------------------------------------------------
+
+
+@journal.command()
+@click.option("--format", "fmt", type=click.Choice(("jsonl", "csv")), default="jsonl", show_default=True,
+              help="JSON Lines (one event a line) or CSV (a header row, JSON values as text).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="Write to this file instead of stdout.")
+@click.option("--since", type=MOMENT, help="Only events at or after: ISO-8601, or an age like 10m, 2h, 3d.")
+@click.option("--until", type=MOMENT, help="Only events before this time.")
+@click.option("--call", "call_id", help="Only the events of this call.")
+@click.option("--tool", help="Only events of this tool.")
+@click.option("--agent", "agent_id", help="Only events of this agent.")
+@click.option("--redact", type=FieldList(tuple(sorted(REDACTABLE))), default=None, metavar="FIELDS",
+              help="Comma-separated: arguments,value. Each becomes null and is named in 'redacted'; "
+                   "its sha256 stays, so the export still verifies.")
+@db_option
+def export(
+    fmt: str,
+    output: Path | None,
+    since: datetime | None,
+    until: datetime | None,
+    call_id: str | None,
+    tool: str | None,
+    agent_id: str | None,
+    redact: frozenset[str] | None,
+    db: str,
+) -> None:
+    """Export the audit trail, one event at a time, in seq order.
+
+    Every field of each event, plus arguments_sha256 and value_sha256; arguments, value, error,
+    reason and owner are JSON values. A filtered export has gaps in seq: verify it with
+    --allow-gaps. Writing to --output replaces the file only once the export is complete.
+
+    Example:
+
+        airlock journal export --since 2026-12-01 --redact arguments,value -o audit.jsonl
+
+        airlock journal export --format csv --tool charge > charges.csv
+    """
+    redact = redact or frozenset()
+    filters: dict[str, Any] = {"call_id": call_id, "tool": tool, "agent_id": agent_id, "since": since, "until": until}
+    with open_journal(db, readonly=True, create=False) as j:
+        if output is None:
+            with _quiet_broken_pipe():
+                out = _stdout()
+                write_events(j.events(**filters), out, fmt=fmt, redact=redact)
+                out.flush()
+            return
+        written = _export_to_file(j, filters, output, fmt, redact)
+    click.echo(f"Exported {written} events to {output}", err=True)
+
+
+def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, redact: frozenset[str]) -> int:
+    directory = output.resolve().parent
+    try:
+        fd, partial = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".partial", dir=directory)
+    except OSError as e:
+        raise click.ClickException(f"cannot write to {output}: {e.strerror or e}") from e
+    try:
+        with os.fdopen(fd, "wb") as out:
+            if click.get_text_stream("stderr").isatty():
+                with click.progressbar(length=j.count_events(**filters), label="Exporting",
+                                       file=click.get_text_stream("stderr")) as bar:
+                    written = write_events(j.events(**filters), out, fmt=fmt, redact=redact, advance=bar.update)
+            else:
+                written = write_events(j.events(**filters), out, fmt=fmt, redact=redact)
+        os.replace(partial, output)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    return written
+
+
+# -- verify --------------------------------------------------------------------------------------
+
+
+@journal.command()
+@click.option("--export", "export_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Check this exported JSON Lines file offline instead of the journal.")
+@click.option("--allow-gaps", is_flag=True, help="With --export: accept gaps in seq (a filtered export has them).")
+@json_option
+@db_option
+def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -> None:
+    """Recompute the hash chain and check the projection against the log.
+
+    Exit 0 with the event count and head hash; exit 1 naming the seq of the first bad event.
+    With --export FILE, check an exported file instead: every event's hash and every link
+    between consecutive seqs (no journal is opened).
+
+    Example:
+
+        airlock journal verify
+
+        airlock journal verify --export audit.jsonl --allow-gaps
+    """
+    if allow_gaps and export_file is None:
+        raise click.UsageError("--allow-gaps goes with --export FILE")
+    if export_file is not None:
+        try:
+            with export_file.open("rb") as stream:
+                report = verify_lines(read_export(stream), allow_gaps=allow_gaps)
+        except NotJsonLines as e:
+            raise click.ClickException(f"{export_file} is not a JSON Lines export: {e}") from e
+        except OSError as e:
+            raise click.ClickException(f"cannot read {export_file}: {e.strerror or e}") from e
+        source = str(export_file)
+    else:
+        with open_journal(db, readonly=True, create=False) as j:
+            report = j.verify()
+        source = db
+    if as_json:
+        _stdout().write(render.dumps_line({
+            "ok": report.ok, "events": report.events, "head": report.head,
+            "first_bad_seq": report.first_bad_seq, "problem": report.problem,
+        }))
+        if not report.ok:
+            raise SystemExit(1)
+        return
+    if not report.ok:
+        if report.first_bad_seq is not None:
+            raise click.ClickException(f"chain broken at seq {report.first_bad_seq}: {report.problem}")
+        raise click.ClickException(f"{source} does not verify: {report.problem}")
+    click.echo(f"OK: {report.events} events, head {report.head}")
+
+
+# -- rebuild -------------------------------------------------------------------------------------
+
+
+@journal.command()
+@db_option
+def rebuild(db: str) -> None:
+    """Rebuild the projection (each call's current status) from the log.
+
+    The log is never changed; the projection is folded again from its first event.
+
+    Example:
+
+        airlock journal rebuild --db /var/lib/agent/airlock-journal.db
+    """
+    with open_journal(db, create=False) as j:
+        calls = j.rebuild()
+    click.echo(f"Rebuilt the projection: {calls} calls")
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+
+@journal.command()
+@json_option
+@db_option
+def stats(as_json: bool, db: str) -> None:
+    """Count the calls by status and by tool, and show the oldest pending and unknown call.
+
+    --json prints one object: calls, events, by_status, by_tool, oldest_pending_at and
+    oldest_unknown_at (when the oldest such call entered that status, or null).
+
+    Example:
+
+        airlock journal stats --json
+    """
+    with open_journal(db, readonly=True, create=False) as j:
+        counted = j.stats()
+    if as_json:
+        _stdout().write(render.dumps_line(render.stats_json(counted)))
+        return
+    _echo_lines(render.stats_lines(counted, colour=render.use_colour()))
+

@@ -1,0 +1,31 @@
+"""The ``airlock`` command: ``airlock journal ...`` for operators, ``airlock demo`` to see it work."""
+
+from __future__ import annotations
+
+import click
+
+from .demo import demo
+from .journal import journal
+from .options import Group
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="airlock-journal", prog_name="airlock")
+def main() -> None:
+    """At-most-once dispatch for an agent's tools: inspect and settle its effect journal.
+
+    Example:
+
+        airlock demo
+
+        airlock journal show --status unknown --db airlock-demo.db
+    """
+
+
+main.add_command(journal)
+main.add_command(demo)
+
+# sqlite-utils style name for the same group
+cli = main
+
+__all__ = ["cli", "main"]

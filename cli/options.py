@@ -1,0 +1,108 @@
+"""What every command shares: the command group that turns journal errors into one line, the
+``--db`` and ``--json`` options, and the parameter types for moments and field lists."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import click
+
+from guard.store import parse_at
+from journal.errors import JournalError, JournalNotFound
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_DB = "airlock-journal.db"
+DB_ENVVAR = "AIRLOCK_JOURNAL"
+
+
+class Group(click.Group):
+    """A click group that reports a journal error as ``Error: ...`` and exit 1, never a traceback.
+
+    This is the one place where the journal's errors become the CLI's.
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except JournalNotFound as e:
+            raise click.ClickException(f"{e} Name the journal with --db or {DB_ENVVAR}.") from e
+        except JournalError as e:
+            raise click.ClickException(str(e) or type(e).__name__) from e
+
+
+def db_option(fn: F) -> F:
+    """``--db PATH_OR_URL``: the journal a command works on."""
+    return click.option(
+        "--db",
+        "db",
+        metavar="PATH_OR_URL",
+        envvar=DB_ENVVAR,
+        default=DEFAULT_DB,
+        show_default=True,
+        show_envvar=True,
+        help="The journal: a SQLite file, or a postgresql:// URL.",
+    )(fn)
+
+
+def json_option(fn: F) -> F:
+    """``--json``: machine output on stdout instead of a table."""
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(fn)
+
+
+_RELATIVE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$", re.IGNORECASE)
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+class Moment(click.ParamType):
+    """A point in time: ISO-8601 (``2026-12-01T05:00:00Z``, ``2026-12-01``; UTC unless it has an
+    offset) or an age before now (``90s``, ``10m``, ``2h``, ``3d``, ``1w``). Converts to a UTC datetime."""
+
+    name = "moment"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> datetime:
+        if isinstance(value, datetime):
+            return value
+        text = str(value).strip()
+        relative = _RELATIVE.match(text)
+        if relative:
+            amount, unit = int(relative.group(1)), relative.group(2).lower()
+            return datetime.now(UTC) - timedelta(**{_UNITS[unit]: amount})
+        try:
+            return parse_at(text)
+        except ValueError:
+            self.fail(
+                f"{value!r} is not a time: give ISO-8601 (2026-12-01T05:00:00Z) or an age like 10m, 2h, 3d",
+                param,
+                ctx,
+            )
+
+
+MOMENT = Moment()
+
+
+class FieldList(click.ParamType):
+    """A comma-separated list of names, each one of ``choices``; converts to a frozenset."""
+
+    name = "fields"
+
+    def __init__(self, choices: tuple[str, ...]) -> None:
+        self.choices = choices
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> frozenset[str]:
+        if isinstance(value, frozenset):
+            return value
+        names = [name.strip() for name in str(value).split(",") if name.strip()]
+        if not names:
+            self.fail("name at least one field", param, ctx)
+        unknown = [name for name in names if name not in self.choices]
+        if unknown:
+            self.fail(
+                f"cannot redact {', '.join(map(repr, unknown))}: choose from {', '.join(self.choices)}",
+                param,
+                ctx,
+            )
+        return frozenset(names)

@@ -1,0 +1,324 @@
+"""How calls and events look to an operator: tables that fit the terminal, ages, colour, JSON shapes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+import orjson
+
+from guard.store import CallRecord, current_owner, format_at
+from journal.events import JournalEvent
+from journal.owner import owner_alive
+
+ELLIPSIS = "…"
+
+_STATUS_COLOURS = {
+    "committed": "green",
+    "pending": "yellow",
+    "unknown": "red",
+    "released": "cyan",
+    "replayed": "green",
+    "refused": "magenta",
+}
+
+
+def use_colour(stream: Any = None) -> bool:
+    """Colour only on a terminal, and never when ``NO_COLOR`` is set (https://no-color.org)."""
+    stream = sys.stdout if stream is None else stream
+    if os.environ.get("NO_COLOR"):
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def paint(text: str, status: str | None, colour: bool) -> str:
+    if not colour:
+        return text
+    fg = _STATUS_COLOURS.get(status or "")
+    return click.style(text, fg=fg, bold=status == "unknown") if fg else text
+
+
+def age(at: datetime | None, now: datetime | None = None) -> str:
+    """``"12m ago"``: the largest whole unit of the time since ``at``."""
+    if at is None:
+        return "-"
+    now = now or datetime.now(UTC)
+    seconds = max(0, int((now - at).total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s ago"
+    minutes = seconds // 60
+    if minutes < 60:
+        return f"{minutes}m ago"
+    hours = minutes // 60
+    if hours < 48:
+        return f"{hours}h ago"
+    return f"{hours // 24}d ago"
+
+
+def truncate(text: str, width: int) -> str:
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return text[:width]
+    return text[: width - 1] + ELLIPSIS
+
+
+def owner_mark(record: CallRecord) -> str | None:
+    """For a pending call: whether the process that recorded it still runs (None otherwise)."""
+    if record.status != "pending":
+        return None
+    host = (record.owner or {}).get("host")
+    if host is not None and host != current_owner()["host"]:
+        return f"owner on {host}"
+    return "owner alive" if owner_alive(record.owner) else "owner gone"
+
+
+def status_text(record: CallRecord | None) -> str:
+    if record is None:
+        return "-"
+    mark = owner_mark(record)
+    return f"{record.status} ({mark})" if mark else record.status
+
+
+def table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    shrinkable: Sequence[int] = (),
+    width: int | None = None,
+    styles: Sequence[str | None] | None = None,
+    colour: bool = False,
+) -> list[str]:
+    """Lay out ``rows`` under ``headers`` in columns two spaces apart.
+
+    When ``width`` is given and the table is wider, the columns in ``shrinkable`` lose characters
+    (widest first, each keeping at least 8) and their cells end in an ellipsis. ``styles`` names
+    a status per row, which colours the whole row's status cell (column index 2) when ``colour``.
+    """
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    if width is not None:
+        excess = sum(widths) + 2 * (len(widths) - 1) - width
+        while excess > 0:
+            candidates = [i for i in shrinkable if widths[i] > max(8, len(headers[i]))]
+            if not candidates:
+                break
+            widest = max(candidates, key=lambda i: widths[i])
+            widths[widest] -= 1
+            excess -= 1
+    lines = ["  ".join(h.ljust(widths[i]) for i, h in enumerate(headers)).rstrip()]
+    for n, row in enumerate(rows):
+        cells = []
+        for i, cell in enumerate(row):
+            text = truncate(cell, widths[i]).ljust(widths[i])
+            if colour and styles is not None and i == 2:
+                text = paint(text, styles[n], colour)
+            cells.append(text)
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def terminal_width() -> int | None:
+    """The terminal's width when stdout is one; None (no limit) when the output goes elsewhere."""
+    if not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns
+
+
+CALL_HEADERS = ("CALL ID", "TOOL", "STATUS", "ATTEMPT", "AGENT", "AGE")
+
+
+def calls_table(records: Sequence[CallRecord], *, width: int | None = None, colour: bool = False) -> list[str]:
+    """The ``show`` table: one call a row, newest first as given; AGE counts from its last change."""
+    now = datetime.now(UTC)
+    rows = [
+        (r.call_id, r.tool, status_text(r), str(r.attempt), r.agent_id or "-", age(r.updated_at, now))
+        for r in records
+    ]
+    return table(
+        CALL_HEADERS, rows, shrinkable=(0, 1, 4), width=width,
+        styles=[r.status for r in records], colour=colour,
+    )
+
+
+def _json_value(text: str | None) -> Any:
+    return None if text is None else orjson.loads(text)
+
+
+def _plain(mapping: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if mapping is None else dict(mapping)
+
+
+def call_json(record: CallRecord) -> dict[str, Any]:
+    """One call as ``show --json`` prints it: JSON values as values, times as ISO-8601 strings."""
+    alive = owner_alive(record.owner) if record.status == "pending" else None
+    return {
+        "call_id": record.call_id,
+        "tool": record.tool,
+        "status": record.status,
+        "attempt": record.attempt,
+        "agent_id": record.agent_id,
+        "idempotency_key": record.idempotency_key,
+        "arguments": _json_value(record.arguments),
+        "value": _json_value(record.value),
+        "error": _plain(record.error),
+        "reason": _plain(record.reason),
+        "actor": record.actor,
+        "owner": _plain(record.owner),
+        "owner_alive": alive,
+        "created_at": format_at(record.created_at),
+        "updated_at": format_at(record.updated_at),
+        "since": format_at(record.since),
+        "last_seq": record.last_seq,
+    }
+
+
+def unprojected_call_json(call_id: str, events: Sequence[JournalEvent]) -> dict[str, Any]:
+    """A call id with events but no projection row (only refusals): its fields from its first
+    event, and a null status."""
+    first, last = events[0], events[-1]
+    return {
+        "call_id": call_id,
+        "tool": first.tool,
+        "status": None,
+        "attempt": None,
+        "agent_id": first.agent_id,
+        "idempotency_key": first.idempotency_key,
+        "arguments": _json_value(first.arguments),
+        "value": None,
+        "error": None,
+        "reason": None,
+        "actor": None,
+        "owner": None,
+        "owner_alive": None,
+        "created_at": format_at(first.at),
+        "updated_at": format_at(last.at),
+        "since": None,
+        "last_seq": last.seq,
+    }
+
+
+def event_detail(event: JournalEvent) -> str:
+    """What an event adds in a line: its reason code and message, or its error."""
+    parts = []
+    if event.reason:
+        code, message = event.reason.get("code"), event.reason.get("message")
+        parts.append(f"{code}: {message}" if code and message else str(code or message))
+    if event.error:
+        parts.append(f"{event.error.get('type')}: {event.error.get('message')}")
+    if event.kind == "committed" and event.value is not None:
+        parts.append(f"value {event.value}")
+    return "; ".join(parts)
+
+
+EVENT_HEADERS = ("SEQ", "AT", "KIND", "ATTEMPT", "ACTOR", "DETAIL")
+
+
+def events_table(events: Sequence[JournalEvent], *, width: int | None = None, colour: bool = False) -> list[str]:
+    rows = [
+        (str(e.seq), format_at(e.at), e.kind, str(e.attempt), e.actor, event_detail(e)) for e in events
+    ]
+    lines = table(EVENT_HEADERS, rows, shrinkable=(4, 5), width=width)
+    if colour:
+        # colour the KIND cell, found by its fixed offset in each row
+        offset = lines[0].index("KIND")
+        kind_width = max([len("KIND"), *(len(e.kind) for e in events)])
+        for n, e in enumerate(events, 1):
+            line = lines[n]
+            cell = line[offset : offset + kind_width]
+            lines[n] = line[:offset] + paint(cell, e.kind, colour) + line[offset + kind_width :]
+    return lines
+
+
+def call_lines(
+    call_id: str,
+    record: CallRecord | None,
+    events: Sequence[JournalEvent],
+    *,
+    width: int | None = None,
+    colour: bool = False,
+) -> list[str]:
+    """``show CALL_ID`` for a person: the call's state, then every event of it."""
+    first = events[0] if events else None
+    now = datetime.now(UTC)
+    status = "- (no attempt recorded; only refusals)" if record is None else status_text(record)
+    fields: list[tuple[str, str]] = [("call", call_id)]
+    if record is not None:
+        fields += [
+            ("tool", record.tool),
+            ("status", paint(status, record.status, colour)
+             + f"  since {format_at(record.since)} ({age(record.since, now)})"),
+            ("attempt", str(record.attempt)),
+            ("agent", record.agent_id or "-"),
+            ("key", record.idempotency_key or "-"),
+            ("arguments", record.arguments or "-"),
+        ]
+        if record.status == "committed":
+            fields.append(("value", record.value if record.value is not None else "(none stored)"))
+        if record.error:
+            fields.append(("error", f"{record.error.get('type')}: {record.error.get('message')}"))
+        if record.reason:
+            fields.append(("reason", f"{record.reason.get('code')}: {record.reason.get('message')}"))
+        if record.owner:
+            fields.append(("owner", f"{record.owner.get('host')} pid {record.owner.get('pid')}"))
+        fields.append(("created", f"{format_at(record.created_at)} ({age(record.created_at, now)})"))
+    elif first is not None:
+        fields += [
+            ("tool", first.tool),
+            ("status", status),
+            ("agent", first.agent_id or "-"),
+            ("key", first.idempotency_key or "-"),
+            ("arguments", first.arguments or "-"),
+        ]
+    label = max(len(name) for name, _ in fields)
+    lines = [f"{name.ljust(label)}  {text}" for name, text in fields]
+    lines.append("")
+    lines += events_table(events, width=width, colour=colour)
+    return lines
+
+
+def stats_lines(stats: Any, *, colour: bool = False) -> list[str]:
+    """``stats`` for a person: totals, counts by status and by tool, the oldest open calls."""
+    now = datetime.now(UTC)
+    lines = [f"calls   {stats.calls}", f"events  {stats.events}", "", "by status"]
+    statuses = ("pending", "unknown", "committed", "released")
+    names = [*statuses, *(s for s in sorted(stats.by_status) if s not in statuses)]
+    for status in names:
+        count = stats.by_status.get(status, 0)
+        lines.append(f"  {paint(status.ljust(10), status, colour and count > 0)}  {count}")
+    lines += ["", "by tool"]
+    if stats.by_tool:
+        tool_width = max(len(t) for t in stats.by_tool)
+        for tool, count in sorted(stats.by_tool.items(), key=lambda item: (-item[1], item[0])):
+            lines.append(f"  {tool.ljust(tool_width)}  {count}")
+    else:
+        lines.append("  (none)")
+    lines.append("")
+    for status, at in (("pending", stats.oldest_pending_at), ("unknown", stats.oldest_unknown_at)):
+        text = "-" if at is None else f"{format_at(at)} ({age(at, now)})"
+        lines.append(f"oldest {status}  {text}")
+    return lines
+
+
+def stats_json(stats: Any) -> dict[str, Any]:
+    return {
+        "calls": stats.calls,
+        "events": stats.events,
+        "by_status": dict(stats.by_status),
+        "by_tool": dict(stats.by_tool),
+        "oldest_pending_at": None if stats.oldest_pending_at is None else format_at(stats.oldest_pending_at),
+        "oldest_unknown_at": None if stats.oldest_unknown_at is None else format_at(stats.oldest_unknown_at),
+    }
+
+
+def dumps_line(obj: Any) -> bytes:
+    """One JSON Lines line."""
+    return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
