@@ -19,9 +19,16 @@ def memory_store(tmp_path: Path) -> Any:
     return InMemoryEffectStore()
 
 
+def sqlite_store(tmp_path: Path) -> Any:
+    from journal import SQLiteJournal
+
+    return SQLiteJournal(tmp_path / "j.db")
+
+
 # name -> factory; the journal modules add theirs below.
 STORE_FACTORIES: dict[str, StoreFactory] = {
     "memory": memory_store,
+    "sqlite": sqlite_store,
 }
 
 
