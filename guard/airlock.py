@@ -17,7 +17,7 @@ from .effect_guard import EffectGuard, decide_attempt, reversibility_of
 from .oversight import OversightRequest, OversightResponse, OversightVerdict
 from .policy import SecurityPolicy, required_capabilities
 from .refusal import AirlockBlocked, Refusal, make_refusal
-from .store import EffectEvent, Verdict, utc_now
+from .store import GUARD_ACTOR, EffectEvent, Verdict, current_owner, utc_now
 
 __all__ = ["Airlock", "airlock_of"]
 
@@ -107,7 +107,7 @@ class _Call:
             self.metadata = {k: v for k, v in host.metadata.items() if k != "tool_call_id"}
         else:
             self.agent_id, self.metadata, self.tool_call_id = host.agent_id, host.metadata, host.tool_call_id
-        self.arguments: bytes | None = None
+        self.arguments: str | None = None
         self.key: str | None = None
         self.escalation: str | None = None
         self.request: OversightRequest | None = None
@@ -130,14 +130,11 @@ class _Call:
             self.record(
                 EffectEvent(
                     kind="refused", call_id=self.tool_call_id, tool=self.tool.name, agent_id=self.agent_id,
-                    idempotency_key=self.key, arguments=self._arguments_text(),
+                    idempotency_key=self.key, arguments=self.arguments,
                     reason={"code": code, "message": error}, attempt=self.attempt,
                 )
             )
         return refusal
-
-    def _arguments_text(self) -> str | None:
-        return None if self.arguments is None else self.arguments.decode()
 
     # -- gates 1 to 5 --------------------------------------------------------------------------
 
@@ -175,8 +172,9 @@ class _Call:
             bound, passed, bind_error = None, set(), str(e)
         else:
             try:
-                self.arguments = canonical_bytes(bound)
-                self.key = key_from_canonical(name, self.arguments)
+                arguments = canonical_bytes(bound)
+                self.key = key_from_canonical(name, arguments)
+                self.arguments = arguments.decode()
             except NotCanonical as e:
                 bind_error = f"an argument has no JSON form ({e})"
         if eg is not None and eg.target_args and tool.irreversible:
@@ -266,7 +264,7 @@ class _Call:
         eg, call_id = self.eg, self.tool_call_id
         if eg is not None and call_id is not None:
             assert self.key is not None and self.arguments is not None
-            name, key, arguments, agent_id = self.tool.name, self.key, self.arguments.decode(), self.agent_id
+            name, key, arguments, agent_id = self.tool.name, self.key, self.arguments, self.agent_id
             reversible, approval = self.tool.reversible, self.approval
 
             def decide(record: Any) -> Any:
@@ -303,13 +301,10 @@ class _Call:
 
     def outcome(self, kind: str, value: str | None = None, error: dict[str, str] | None = None,
                 reason: dict[str, str] | None = None) -> None:
-        self.record(
-            EffectEvent(
-                kind=kind, call_id=self.tool_call_id, tool=self.tool.name, agent_id=self.agent_id,
-                idempotency_key=self.key, arguments=self._arguments_text(), value=value, error=error,
-                reason=reason, attempt=self.attempt,
-            )
-        )
+        self.record(EffectEvent(
+            kind, self.tool_call_id, self.tool.name, utc_now(), self.agent_id, self.key, self.arguments, value,
+            error, reason, GUARD_ACTOR, self.attempt, current_owner(),
+        ))
 
     def returned(self, result: Any) -> None:
         if self.verdict is not Verdict.RUN:

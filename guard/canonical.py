@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import math
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import orjson
@@ -82,7 +83,7 @@ def to_json_value(obj: Any) -> str | None:
 
 
 def key_from_canonical(tool: str, arguments_json: bytes) -> str:
-    return hashlib.sha256(tool.encode() + b"\x00" + arguments_json).hexdigest()
+    return hashlib.sha256(b"%s\x00%s" % (tool.encode(), arguments_json)).hexdigest()
 
 
 def idempotency_key(tool: str, arguments: Mapping[str, Any]) -> str:
@@ -112,21 +113,24 @@ class Binder:
         self._n_positional = sum(1 for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
         self._defaults = {p.name: p.default for p in params if p.default is not p.empty}
 
-    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    def bind(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], AbstractSet[str]]:
         """The arguments by name with defaults applied, and the names the caller passed.
 
         Raises ``TypeError`` when they do not fit the signature, as the call itself would.
         """
+        names = self._names
         if self._simple and len(args) <= self._n_positional and kwargs.keys() <= self._nameset:
-            bound = dict(zip(self._names, args, strict=False))
-            if not bound.keys() & kwargs.keys():
-                bound.update(kwargs)
-                passed = set(bound)
-                if len(bound) == len(self._names):
-                    return bound, passed
+            bound = dict(zip(names, args, strict=False))
+            if not kwargs or not bound.keys() & kwargs.keys():
+                if kwargs:
+                    bound.update(kwargs)
+                if len(bound) == len(names):
+                    return bound, bound.keys()
                 defaults = self._defaults
-                if all(n in bound or n in defaults for n in self._names):
-                    return {n: bound[n] if n in bound else defaults[n] for n in self._names}, passed
+                if all(n in bound or n in defaults for n in names):
+                    return {n: bound[n] if n in bound else defaults[n] for n in names}, bound.keys()
         ba = self.signature.bind(*args, **kwargs)
         passed = set(ba.arguments)
         ba.apply_defaults()

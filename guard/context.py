@@ -75,7 +75,9 @@ class CallContext(AirlockContext):
         tool_call_id: str | None,
         idempotency_key: str | None,
     ) -> None:
-        super().__init__(agent_id, metadata)
+        self.agent_id = agent_id
+        self.metadata = dict(metadata) if metadata else {}
+        self._tokens = []
         self.tool = tool
         self._tool_call_id = tool_call_id
         self._idempotency_key = idempotency_key

@@ -7,7 +7,17 @@ from typing import Any, Literal, TypeVar
 
 from .canonical import idempotency_key
 from .memory import InMemoryEffectStore
-from .store import CallRecord, Decision, EffectEvent, EffectStore, Verdict, format_at, utc_now
+from .store import (
+    GUARD_ACTOR,
+    CallRecord,
+    Decision,
+    EffectEvent,
+    EffectStore,
+    Verdict,
+    current_owner,
+    format_at,
+    utc_now,
+)
 
 __all__ = [
     "DEFAULT_AMBIGUOUS_ERRORS",
@@ -119,48 +129,58 @@ def decide_attempt(
     reversible: bool,
     approval: dict[str, str] | None = None,
 ) -> Decision:
-    """The replay table: what a call with a ``tool_call_id`` does, given the record of that id."""
-    at = utc_now()
+    """The replay table: what a call with a ``tool_call_id`` does, given the record of that id.
 
-    def event(kind: str, attempt: int, reason: dict[str, str] | None = None) -> EffectEvent:
-        return EffectEvent(
-            kind=kind, call_id=call_id, tool=tool, at=at, agent_id=agent_id, idempotency_key=key,
-            arguments=arguments, reason=reason, attempt=attempt,
-        )
-
-    def refuse(code: str, message: str, **details: Any) -> Decision:
-        assert record is not None
-        return Decision(
-            Verdict.REFUSE, event("refused", record.attempt, {"code": code, "message": message}),
-            record, code, message, details,
-        )
-
+    Returns the :class:`Decision` with the event to append: ``pending`` (RUN), ``replayed``
+    (REPLAY) or ``refused`` (REFUSE). ``approval`` is the approver's grant, kept on ``pending``.
+    """
     if record is None:
-        return Decision(Verdict.RUN, event("pending", 1, approval))
+        return Decision(Verdict.RUN, EffectEvent(
+            "pending", call_id, tool, utc_now(), agent_id, key, arguments, None, None, approval, GUARD_ACTOR, 1,
+            current_owner(),
+        ))
     if record.tool != tool or record.idempotency_key != key:
-        return refuse(
+        other = "another tool" if record.tool != tool else "other arguments"
+        return _refuse(
+            record, call_id, tool, key, arguments, agent_id,
             "policy_violation",
-            f"The tool call id {call_id!r} was already used for "
-            + ("another tool" if record.tool != tool else "other arguments")
-            + "; every tool call needs its own id.",
-            violation_type="tool_call_id_reused",
-            earlier_tool=record.tool,
+            f"The tool call id {call_id!r} was already used for {other}; every tool call needs its own id.",
+            violation_type="tool_call_id_reused", earlier_tool=record.tool,
         )
     status = record.status
     if status == "committed":
         if record.value is None:
-            return refuse(
+            return _refuse(
+                record, call_id, tool, key, arguments, agent_id,
                 "replay_value_unavailable",
                 "This call already took effect, but its result was not stored, so it cannot be "
                 "returned; it will not be run again.",
                 status=status, idempotency_key=key, attempt=record.attempt,
             )
-        return Decision(Verdict.REPLAY, event("replayed", record.attempt), record)
+        return Decision(Verdict.REPLAY, EffectEvent(
+            "replayed", call_id, tool, utc_now(), agent_id, key, arguments, None, None, None, GUARD_ACTOR,
+            record.attempt, current_owner(),
+        ), record)
     if status == "released" or reversible:
-        return Decision(Verdict.RUN, event("pending", record.attempt + 1, approval), record)
-    return refuse(
+        return Decision(Verdict.RUN, EffectEvent(
+            "pending", call_id, tool, utc_now(), agent_id, key, arguments, None, None, approval, GUARD_ACTOR,
+            record.attempt + 1, current_owner(),
+        ), record)
+    return _refuse(
+        record, call_id, tool, key, arguments, agent_id,
         "effect_status_unknown",
         f"An earlier attempt of this call is {status} and may have taken effect: do not retry it; "
         f"ask the backend whether idempotency key {key} was applied.",
         status=status, idempotency_key=key, attempt=record.attempt, since=format_at(record.since),
     )
+
+
+def _refuse(
+    record: CallRecord, call_id: str, tool: str, key: str, arguments: str, agent_id: str | None,
+    code: str, message: str, **details: Any,
+) -> Decision:
+    event = EffectEvent(
+        "refused", call_id, tool, utc_now(), agent_id, key, arguments, None, None,
+        {"code": code, "message": message}, GUARD_ACTOR, record.attempt, current_owner(),
+    )
+    return Decision(Verdict.REFUSE, event, record, code, message, details)

@@ -53,6 +53,8 @@ class SecurityPolicy:
 
     def violation(self, tool: str) -> str | None:
         """``"tool_denied"`` or ``"tool_not_allowed"`` when the policy refuses ``tool``, else None."""
+        if self.allowed_tools is None and not self.denied_tools:
+            return None
         if _matches(tool, self.denied_tools):
             return "tool_denied"
         if self.allowed_tools is not None and not _matches(tool, self.allowed_tools):
@@ -64,6 +66,8 @@ class SecurityPolicy:
 
     def escalation_reason(self, tool: str) -> str | None:
         """The reason an ``escalate_tools`` entry gives for ``tool``, or None when none matches."""
+        if not self.escalate_tools:
+            return None
         for pattern, reason in self.escalate_tools.items():
             if tool == pattern or fnmatchcase(tool, pattern):
                 return reason

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
@@ -76,11 +76,16 @@ def parse_at(text: str) -> datetime:
 
 
 _HOST = socket.gethostname()
+_OWNER: dict[str, Any] = {"host": _HOST, "pid": os.getpid()}
 
 
-def current_owner() -> dict[str, Any]:
-    """``{host, pid}`` of this process (the pid is read each time: a fork changes it)."""
-    return {"host": _HOST, "pid": os.getpid()}
+def current_owner() -> Mapping[str, Any]:
+    """``{host, pid}`` of this process; shared, so treat it as read-only (a fork gets its own)."""
+    global _OWNER
+    pid = os.getpid()
+    if _OWNER["pid"] != pid:
+        _OWNER = {"host": _HOST, "pid": pid}
+    return _OWNER
 
 
 @dataclass(slots=True)
@@ -149,50 +154,20 @@ def apply(record: CallRecord | None, event: EffectEvent, seq: int = 0) -> CallRe
     if kind == "pending":
         if record is None:
             return CallRecord(
-                call_id=event.call_id,
-                tool=event.tool,
-                status="pending",
-                attempt=event.attempt,
-                agent_id=event.agent_id,
-                idempotency_key=event.idempotency_key,
-                arguments=event.arguments,
-                value=None,
-                error=None,
-                reason=None,
-                actor=event.actor,
-                owner=event.owner,
-                created_at=event.at,
-                updated_at=event.at,
-                since=event.at,
-                last_seq=seq,
+                event.call_id, event.tool, "pending", event.attempt, event.agent_id, event.idempotency_key,
+                event.arguments, None, None, None, event.actor, event.owner, event.at, event.at, event.at, seq,
             )
-        return replace(
-            record,
-            status="pending",
-            attempt=event.attempt,
-            agent_id=event.agent_id,
-            value=None,
-            error=None,
-            reason=None,
-            actor=event.actor,
-            owner=event.owner,
-            updated_at=event.at,
-            since=event.at,
-            last_seq=seq,
+        return CallRecord(
+            record.call_id, record.tool, "pending", event.attempt, event.agent_id, record.idempotency_key,
+            record.arguments, None, None, None, event.actor, event.owner, record.created_at, event.at, event.at,
+            seq,
         )
     if record is None or event.attempt != record.attempt:
         return record
-    return replace(
-        record,
-        status=kind,
-        value=event.value if kind == "committed" else None,
-        error=event.error,
-        reason=event.reason,
-        actor=event.actor,
-        owner=event.owner,
-        updated_at=event.at,
-        since=event.at if kind != record.status else record.since,
-        last_seq=seq,
+    return CallRecord(
+        record.call_id, record.tool, kind, record.attempt, record.agent_id, record.idempotency_key,
+        record.arguments, event.value if kind == "committed" else None, event.error, event.reason, event.actor,
+        event.owner, record.created_at, event.at, event.at if kind != record.status else record.since, seq,
     )
 
 
