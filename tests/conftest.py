@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from tests.pgserver import _pg_shutdown, pg_dsn, pg_server  # noqa: F401  (the PostgreSQL fixtures)
 from tests.stores import STORE_FACTORIES, close_store
 
 

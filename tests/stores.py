@@ -25,10 +25,19 @@ def sqlite_store(tmp_path: Path) -> Any:
     return SQLiteJournal(tmp_path / "j.db")
 
 
+def postgres_store(tmp_path: Path) -> Any:
+    # A fresh schema on the session's throwaway server (skipped without PostgreSQL, failed under CI).
+    from journal.postgres import PostgresJournal
+    from tests.pgserver import fresh_schema
+
+    return PostgresJournal(fresh_schema(), pool_size=4)
+
+
 # name -> factory; the journal modules add theirs below.
 STORE_FACTORIES: dict[str, StoreFactory] = {
     "memory": memory_store,
     "sqlite": sqlite_store,
+    "postgres": postgres_store,
 }
 
 

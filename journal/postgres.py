@@ -1,0 +1,621 @@
+"""PostgresJournal: an EffectStore on PostgreSQL, for replicas of an agent on many hosts.
+
+Every write transaction locks the one ``chain_head`` row first, reads the call's projection row,
+lets the guard decide, inserts the event with the next ``seq`` and its hash, updates the
+projection and the head, and commits: ``seq`` stays gapless and the chain unbroken under any
+number of writers, and two ``begin`` for one call id can never interleave. A transaction is two
+round trips (psycopg's pipeline mode), so a guarded call costs about one plain INSERT transaction.
+
+While the server cannot be reached, writes raise :class:`~journal.errors.JournalError` within
+the connect timeout (the guard refuses the call ``store_unavailable`` and runs nothing); after
+it comes back the pool replaces its dead connections and the journal carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at
+
+from . import pg_schema
+from .chain import GENESIS, ChainCheck, hash_of
+from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, StoreBusy
+from .events import JournalEvent, JournalStats, VerifyReport
+from .projection import fold_into
+from .rows import (
+    CALL_COLUMNS,
+    EVENT_COLUMNS,
+    call_row,
+    event_from_row,
+    operator_event,
+    projection_problem,
+    record_from_row,
+    stamp,
+)
+
+__all__ = ["PostgresJournal"]
+
+log = logging.getLogger("journal.postgres")
+
+T = TypeVar("T")
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+_BATCH = 1000
+_CALL_SELECT = f"SELECT {', '.join(CALL_COLUMNS)} FROM calls"
+_EVENT_SELECT = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events"
+_INSERT_EVENT = (
+    f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) VALUES ({', '.join(['%s'] * len(EVENT_COLUMNS))})"
+)
+_UPSERT_CALL = (
+    f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) VALUES ({', '.join(['%s'] * len(CALL_COLUMNS))}) "
+    "ON CONFLICT (call_id) DO UPDATE SET "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS if c != "call_id")
+)
+_LOCK_HEAD = "SELECT seq, hash FROM chain_head WHERE id = 1 FOR UPDATE"
+_SET_HEAD = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1"
+
+
+def _describe(dsn: str) -> str:
+    """``host:port/dbname`` (and the search_path option) of a DSN, never its password."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as e:
+        raise JournalError(f"not a PostgreSQL connection string ({e})") from e
+    host = params.get("host") or params.get("hostaddr") or "localhost"
+    where = f"{host}:{params.get('port') or 5432}/{params.get('dbname') or params.get('user') or ''}"
+    options = str(params.get("options") or "")
+    if "search_path" in options:
+        where += f" ({options.strip()})"
+    return f"postgresql://{where}"
+
+
+def _record_or_none(row: tuple[Any, ...]) -> CallRecord | None:
+    try:
+        return record_from_row(row)
+    except (ValueError, TypeError):
+        return None
+
+
+class _Tx:
+    """Where a write transaction got to: nothing is committed before ``committing``."""
+
+    __slots__ = ("committing",)
+
+    def __init__(self) -> None:
+        self.committing = False
+
+
+class PostgresJournal:
+    """A journal in a PostgreSQL database (its tables in the connection's current schema).
+
+    ``PostgresJournal(dsn, busy_timeout=30.0, pool_size=8, readonly=False, create=True,
+    connect_timeout=5.0)``. ``dsn`` is a libpq URL or key=value string. ``create`` makes the
+    tables in an empty schema; the database itself must exist. ``busy_timeout`` bounds the wait
+    for the journal's write lock and for a free pooled connection (then :class:`StoreBusy`);
+    ``connect_timeout`` bounds a connection attempt. One object is safe to share between threads.
+
+    Raises :class:`JournalNotFound` (no such database, or an empty one and ``create`` false),
+    :class:`NotAJournal` (the schema holds another application's tables), :class:`NewerSchema`,
+    or :class:`JournalError` (the server cannot be reached); in every case nothing is changed.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        busy_timeout: float = 30.0,
+        pool_size: int = 8,
+        readonly: bool = False,
+        create: bool = True,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        if busy_timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("busy_timeout and connect_timeout must be positive")
+        if pool_size < 1:
+            raise ValueError("pool_size must be at least 1")
+        self.dsn = dsn
+        self.name = _describe(dsn)
+        self.readonly = readonly
+        self.busy_timeout = busy_timeout
+        self.connect_timeout = connect_timeout
+        self._connect_kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "connect_timeout": max(1, round(connect_timeout)),
+            "fallback_application_name": "airlock-journal",
+        }
+        self._suspect = False  # a connection failed lately: probe the server before waiting on the pool
+        self._closed = False
+        self._lock = threading.Lock()
+        conn = self._connect_direct("open the journal")
+        try:
+            self._open_schema(conn, create=create and not readonly)
+        finally:
+            conn.close()
+        self._pool: ConnectionPool[Conn] = ConnectionPool(
+            dsn,
+            kwargs=self._connect_kwargs,
+            min_size=1,
+            max_size=pool_size,
+            configure=self._configure,
+            timeout=busy_timeout,
+            name="airlock-journal",
+            open=False,
+        )
+        self._pool.open(wait=False)
+
+    # -- connections and errors ---------------------------------------------------------------
+
+    def _configure(self, conn: Conn) -> None:
+        settings = [
+            f"SET lock_timeout = {int(self.busy_timeout * 1000)}",
+            # A client that stalls inside a transaction must not hold the write lock for ever.
+            f"SET idle_in_transaction_session_timeout = {int(max(60.0, 2 * self.busy_timeout) * 1000)}",
+        ]
+        if self.readonly:
+            settings.append("SET default_transaction_read_only = on")
+        for setting in settings:
+            conn.execute(setting.encode())
+
+    def _connect_direct(self, doing: str) -> Conn:
+        try:
+            return psycopg.connect(self.dsn, **self._connect_kwargs)
+        except psycopg.Error as e:
+            raise self._translate(e, doing) from e
+
+    def _translate(self, e: Exception, doing: str) -> JournalError:
+        """The one place a psycopg (or pool) error becomes the journal's own."""
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, PoolTimeout):
+            return StoreBusy(f"cannot {doing}: no connection to the journal {self.name} "
+                             f"was free within {self.busy_timeout:g} s")
+        if isinstance(e, pg_errors.LockNotAvailable | pg_errors.QueryCanceled):
+            return StoreBusy(f"cannot {doing}: the journal {self.name} stayed locked by other writers "
+                             f"for {self.busy_timeout:g} s")
+        if isinstance(e, pg_errors.InvalidCatalogName) or (
+            isinstance(e, psycopg.OperationalError) and "does not exist" in message and "database" in message
+        ):
+            return JournalNotFound(f"the journal {self.name} does not exist ({message}); "
+                                   "create the database first (createdb)")
+        if isinstance(e, pg_errors.ReadOnlySqlTransaction):
+            return JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
+        if isinstance(e, pg_errors.InsufficientPrivilege):
+            return JournalError(f"cannot {doing}: the login may not do it on the journal {self.name} ({message})")
+        if isinstance(e, psycopg.OperationalError | psycopg.InterfaceError):
+            return JournalError(f"cannot {doing}: the PostgreSQL server of the journal {self.name} "
+                                f"cannot be reached ({message})")
+        return JournalError(f"cannot {doing} in the journal {self.name}: {message}")
+
+    def _probe(self, doing: str) -> None:
+        """Connect once outside the pool: raises at once while the server is down."""
+        conn = self._connect_direct(doing)
+        conn.close()
+        self._suspect = False
+        self._pool.check()  # drop the pooled connections that died with the old server
+
+    def _getconn(self, doing: str) -> Conn:
+        if self._closed:
+            raise JournalError(f"cannot {doing}: the journal {self.name} is closed")
+        if self._suspect:
+            self._probe(doing)
+        deadline = time.monotonic() + self.busy_timeout
+        try:
+            return self._pool.getconn(timeout=min(self.connect_timeout, self.busy_timeout))
+        except PoolTimeout:
+            pass
+        # No connection in connect_timeout: a busy pool, or a server that is down (then fail now).
+        self._probe(doing)
+        try:
+            return self._pool.getconn(timeout=max(0.001, deadline - time.monotonic()))
+        except PoolTimeout as e:
+            raise self._translate(e, doing) from e
+
+    def _read(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run one query and fetch its rows; a dead pooled connection is replaced once."""
+        for attempt in (1, 2):
+            conn = self._getconn(doing)
+            try:
+                return conn.execute(sql.encode(), params).fetchall()
+            except psycopg.Error as e:
+                if attempt == 1 and conn.broken:
+                    self._suspect = True
+                    continue
+                raise self._translate(e, doing) from e
+            finally:
+                self._pool.putconn(conn)
+        raise AssertionError("unreachable")
+
+    def _write(self, doing: str, work: Callable[[Conn], T]) -> T:
+        """Run ``work`` in one write transaction (pipelined), committed on return.
+
+        A connection found dead before anything could commit is replaced and ``work`` run again;
+        a failure once COMMIT may have reached the server is never retried (it might have
+        committed) and raises :class:`JournalError`.
+        """
+        if self.readonly:
+            raise JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
+        for attempt in (1, 2):
+            conn = self._getconn(doing)
+            tx = _Tx()
+            try:
+                with conn.pipeline(), conn.transaction():
+                    result = work(conn)
+                    tx.committing = True
+                return result
+            except psycopg.Error as e:
+                if attempt == 1 and conn.broken and not tx.committing:
+                    self._suspect = True
+                    continue
+                if conn.broken:
+                    self._suspect = True
+                raise self._translate(e, doing) from e
+            finally:
+                self._pool.putconn(conn)
+        raise AssertionError("unreachable")
+
+    # -- schema -------------------------------------------------------------------------------
+
+    def _open_schema(self, conn: Conn, *, create: bool) -> None:
+        """Check what the schema holds; make or migrate the journal's tables when allowed.
+
+        Changes nothing in a schema that holds anything but a journal of this version or older.
+        """
+        try:
+            version = self._inspect(conn)
+            if version == pg_schema.SCHEMA_VERSION:
+                return
+            if not create:
+                if version == 0:
+                    raise JournalNotFound(f"the journal {self.name} does not exist: the database holds no journal")
+                raise JournalError(
+                    f"the journal {self.name} has schema version {version}; open it writable once "
+                    f"to migrate it to version {pg_schema.SCHEMA_VERSION}"
+                )
+            with conn.transaction():
+                # Replicas that start together migrate one at a time; the others then find it done.
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext('airlock-journal:' || current_schema()))")
+                version = self._inspect(conn)
+                for target in range(version + 1, pg_schema.SCHEMA_VERSION + 1):
+                    for statement in pg_schema.MIGRATIONS[target]:
+                        conn.execute(statement.encode())
+                    if target == 1:
+                        conn.execute(
+                            "INSERT INTO airlock_journal_meta (id, application, schema_version) VALUES (1, %s, %s)",
+                            (pg_schema.APPLICATION, target),
+                        )
+                    else:
+                        conn.execute("UPDATE airlock_journal_meta SET schema_version = %s", (target,))
+                if version < pg_schema.SCHEMA_VERSION:
+                    log.info("journal %s migrated from schema version %d to %d", self.name, version,
+                             pg_schema.SCHEMA_VERSION)
+        except psycopg.Error as e:
+            raise self._translate(e, "open the journal") from e
+
+    def _inspect(self, conn: Conn) -> int:
+        """The journal's schema version (0: an empty schema); raises for anything else."""
+        schema = conn.execute("SELECT current_schema()").fetchone()
+        if schema is None or schema[0] is None:
+            raise JournalNotFound(f"the journal {self.name} does not exist: no schema of its search_path exists")
+        relations = [
+            r[0] for r in conn.execute(
+                "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p', 'v', 'm', 'f') "
+                "ORDER BY c.relname"
+            ).fetchall()
+        ]
+        if not relations:
+            return 0
+        if "airlock_journal_meta" not in relations:
+            shown = ", ".join(relations[:5]) + (", ..." if len(relations) > 5 else "")
+            raise NotAJournal(
+                f"{self.name} is not an airlock journal: schema {schema[0]} holds other tables ({shown}); "
+                "it was left unchanged (use an empty database, or another schema via search_path)"
+            )
+        row = conn.execute("SELECT application, schema_version FROM airlock_journal_meta WHERE id = 1").fetchone()
+        if row is None or row[0] != pg_schema.APPLICATION:
+            raise NotAJournal(f"{self.name} is not an airlock journal: its meta table names "
+                              f"{row[0] if row else 'no application'!r}; it was left unchanged")
+        version = int(row[1])
+        if version > pg_schema.SCHEMA_VERSION:
+            raise NewerSchema(
+                f"the journal {self.name} has schema version {version}, newer than this library's "
+                f"{pg_schema.SCHEMA_VERSION}; upgrade airlock-journal to open it (it was left unchanged)"
+            )
+        missing = [t for t in pg_schema.TABLES if t not in relations]
+        if missing:
+            raise NotAJournal(f"{self.name} is a damaged journal: it lacks the tables {', '.join(missing)}; "
+                              "it was left unchanged")
+        return version
+
+    # -- the EffectStore protocol -------------------------------------------------------------
+
+    def _lock_and_read(self, conn: Conn, call_id: str | None) -> tuple[int, str, CallRecord | None]:
+        head = conn.execute(_LOCK_HEAD)
+        found = conn.execute(f"{_CALL_SELECT} WHERE call_id = %s", (call_id,)) if call_id is not None else None
+        seq, prev = head.fetchone() or (0, GENESIS)  # the fetch sends the pipeline: one round trip
+        row = found.fetchone() if found is not None else None
+        return int(seq), str(prev), self._decoded(record_from_row, row) if row is not None else None
+
+    def _append_locked(self, conn: Conn, seq: int, prev: str, record: CallRecord | None,
+                       event: EffectEvent) -> JournalEvent:
+        """Insert ``event`` as ``seq + 1`` after ``prev``, fold it into the projection, move the head."""
+        stored, row = stamp(event, seq + 1, prev)
+        conn.execute(_INSERT_EVENT, row)
+        if event.call_id is not None:
+            updated = apply(record, event, stored.seq)
+            if updated is not None and updated is not record:
+                conn.execute(_UPSERT_CALL, call_row(updated))
+        conn.execute(_SET_HEAD, (stored.seq, stored.hash))
+        return stored
+
+    def begin(self, call_id: str, decide: Decide) -> Decision:
+        """Read the call's record, let ``decide`` choose, append its event: one transaction."""
+
+        def work(conn: Conn) -> Decision:
+            seq, prev, record = self._lock_and_read(conn, call_id)
+            decision = decide(record)
+            self._append_locked(conn, seq, prev, record, decision.event)
+            return decision
+
+        return self._write("record the call", work)
+
+    def append(self, event: EffectEvent) -> None:
+        """Append an outcome or a refusal (folded into the projection where it applies)."""
+        self.append_event(event)
+
+    def append_event(self, event: EffectEvent) -> JournalEvent:
+        """:meth:`append`, returning the event as stored (with its ``seq`` and ``hash``)."""
+
+        def work(conn: Conn) -> JournalEvent:
+            seq, prev, record = self._lock_and_read(conn, event.call_id)
+            return self._append_locked(conn, seq, prev, record, event)
+
+        return self._write(f"record the {event.kind} event", work)
+
+    def get(self, call_id: str) -> CallRecord | None:
+        """The current record of ``call_id``, or None."""
+        rows = self._read("read the call", f"{_CALL_SELECT} WHERE call_id = %s", (call_id,))
+        return self._decoded(record_from_row, rows[0]) if rows else None
+
+    def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:
+        try:
+            return decode(row)
+        except (ValueError, TypeError) as e:
+            raise JournalError(f"a stored row of the journal {self.name} cannot be read ({e}); run verify") from e
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def call(self, call_id: str) -> CallRecord | None:
+        """The call's current record, or None (never seen, or only refusals)."""
+        return self.get(call_id)
+
+    def call_events(self, call_id: str) -> list[JournalEvent]:
+        """Every event of one call, in ``seq`` order."""
+        return list(self.events(call_id=call_id))
+
+    def calls(
+        self,
+        *,
+        status: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        limit: int | None = 50,
+    ) -> list[CallRecord]:
+        """The calls, most recently updated first, filtered; at most ``limit`` (None: all)."""
+        where, params = [], []
+        for column, value in (("status", status), ("tool", tool), ("agent_id", agent_id)):
+            if value is not None:
+                where.append(f"{column} = %s")
+                params.append(value)
+        if since is not None:
+            where.append("updated_at >= %s")
+            params.append(format_at(since))
+        sql = _CALL_SELECT + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY updated_at DESC, last_seq DESC"
+        if limit is not None:
+            sql += " LIMIT %s"
+            params.append(str(int(limit)))
+        return [self._decoded(record_from_row, r) for r in self._read("read the calls", sql, params)]
+
+    @staticmethod
+    def _event_filter(
+        call_id: str | None, tool: str | None, agent_id: str | None,
+        since: datetime | None, until: datetime | None,
+    ) -> tuple[str, list[Any]]:
+        where, params = [], []
+        for column, value in (("call_id", call_id), ("tool", tool), ("agent_id", agent_id)):
+            if value is not None:
+                where.append(f" AND {column} = %s")
+                params.append(value)
+        if since is not None:
+            where.append(" AND at >= %s")
+            params.append(format_at(since))
+        if until is not None:
+            where.append(" AND at < %s")
+            params.append(format_at(until))
+        return "".join(where), params
+
+    def events(
+        self,
+        *,
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        after_seq: int = 0,
+    ) -> Iterator[JournalEvent]:
+        """The log in ``seq`` order, filtered (``since`` inclusive, ``until`` exclusive), from
+        ``after_seq``. Streams in batches: memory stays bounded whatever the journal's size."""
+        where, params = self._event_filter(call_id, tool, agent_id, since, until)
+        sql = f"{_EVENT_SELECT} WHERE seq > %s{where} ORDER BY seq LIMIT {_BATCH}"
+        last = after_seq
+        while True:
+            rows = self._read("read the events", sql, [last, *params])
+            for row in rows:
+                yield self._decoded(event_from_row, row)
+            if len(rows) < _BATCH:
+                return
+            last = int(rows[-1][0])
+
+    def count_events(
+        self,
+        *,
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        after_seq: int = 0,
+    ) -> int:
+        """How many events :meth:`events` with the same filters yields."""
+        where, params = self._event_filter(call_id, tool, agent_id, since, until)
+        rows = self._read("count the events", f"SELECT count(*) FROM events WHERE seq > %s{where}",
+                          [after_seq, *params])
+        return int(rows[0][0])
+
+    def head(self) -> tuple[int, str]:
+        """``(seq, hash)`` of the last event; ``(0, GENESIS)`` for an empty journal."""
+        rows = self._read("read the chain head", "SELECT seq, hash FROM chain_head WHERE id = 1")
+        return (int(rows[0][0]), str(rows[0][1])) if rows else (0, GENESIS)
+
+    def stats(self) -> JournalStats:
+        """Counts of calls by status and tool, and when the oldest pending and unknown calls
+        entered that status."""
+        from guard.store import parse_at
+
+        by_status = {str(s): int(n) for s, n in self._read(
+            "count the calls", "SELECT status, count(*) FROM calls GROUP BY status ORDER BY status")}
+        by_tool = {str(t): int(n) for t, n in self._read(
+            "count the calls", "SELECT tool, count(*) FROM calls GROUP BY tool ORDER BY tool")}
+        oldest = dict(self._read(
+            "read the oldest calls",
+            "SELECT status, min(since) FROM calls WHERE status IN ('pending', 'unknown') GROUP BY status"))
+        events = self.head()[0]
+        return JournalStats(
+            calls=sum(by_status.values()),
+            events=events,
+            by_status=by_status,
+            by_tool=by_tool,
+            oldest_pending_at=parse_at(oldest["pending"]) if oldest.get("pending") else None,
+            oldest_unknown_at=parse_at(oldest["unknown"]) if oldest.get("unknown") else None,
+        )
+
+    # -- checking and repairing ---------------------------------------------------------------
+
+    def verify(self) -> VerifyReport:
+        """Recompute the hash chain and check the projection and the head against the log, on one
+        consistent snapshot (writers carry on meanwhile)."""
+        doing = "verify the journal"
+        conn = self._getconn(doing)
+        try:
+            with conn.transaction():
+                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                check = ChainCheck()
+                folded: dict[str, CallRecord] = {}
+                with conn.cursor(name="airlock_verify") as cur:
+                    cur.itersize = _BATCH
+                    cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
+                    for row in cur:
+                        try:
+                            event = event_from_row(row)
+                            expected = hash_of(event)
+                        except (ValueError, TypeError) as e:
+                            check.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
+                            break
+                        if not check.feed(event.seq, event.prev_hash, event.hash, expected):
+                            break
+                        fold_into(folded, event)
+                report = check.report()
+                if not report.ok:
+                    return report
+                head = conn.execute("SELECT seq, hash FROM chain_head WHERE id = 1").fetchone()
+                if head is None or (int(head[0]), str(head[1])) != (report.events, report.head):
+                    return VerifyReport(
+                        ok=False, events=report.events, head=report.head, first_bad_seq=report.events or None,
+                        problem=f"the chain head row {head!r} does not match the last event",
+                    )
+                stored = {r[0]: _record_or_none(r) for r in conn.execute(_CALL_SELECT.encode()).fetchall()}
+                problem = projection_problem(folded, stored)
+                if problem is not None:
+                    bad_seq, text = problem
+                    return VerifyReport(ok=False, events=report.events, head=report.head,
+                                        first_bad_seq=bad_seq, problem=text)
+                return report
+        except psycopg.Error as e:
+            if conn.broken:
+                self._suspect = True
+            raise self._translate(e, doing) from e
+        finally:
+            self._pool.putconn(conn)
+
+    def rebuild(self) -> int:
+        """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls."""
+
+        def work(conn: Conn) -> int:
+            conn.execute(_LOCK_HEAD).fetchone()
+            folded: dict[str, CallRecord] = {}
+            with conn.cursor() as cur:
+                cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
+                while rows := cur.fetchmany(_BATCH):
+                    for row in rows:
+                        fold_into(folded, self._decoded(event_from_row, row))
+            conn.execute(b"DELETE FROM calls")
+            with conn.cursor() as cur:
+                cur.executemany(_UPSERT_CALL, [call_row(r) for r in folded.values()])
+            return len(folded)
+
+        return self._write("rebuild the projection", work)
+
+    # -- operators ----------------------------------------------------------------------------
+
+    def resolve(
+        self,
+        call_id: str,
+        *,
+        applied: bool,
+        reason: str,
+        operator: str,
+        value: str | None = None,
+        force: bool = False,
+    ) -> JournalEvent:
+        """Settle a pending or unknown call: append ``committed`` (``applied``, with ``value``,
+        JSON text) or ``released`` by ``operator:NAME``, checking its status in the same
+        transaction. Raises :class:`CallNotFound` or :class:`NotResolvable`; changes nothing then."""
+
+        def work(conn: Conn) -> JournalEvent:
+            seq, prev, record = self._lock_and_read(conn, call_id)
+            event = operator_event(call_id, record, applied=applied, reason=reason, operator=operator,
+                                   value=value, force=force, journal=self.name)
+            return self._append_locked(conn, seq, prev, record, event)
+
+        return self._write("resolve the call", work)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the pool; the journal cannot be used afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.close()
+
+    def __enter__(self) -> PostgresJournal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PostgresJournal({self.name!r}{', readonly' if self.readonly else ''})"

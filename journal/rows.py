@@ -1,0 +1,191 @@
+"""Events and call records as table rows, the same for every SQL journal.
+
+Both tables keep one column per field: ``arguments`` and ``value`` as the canonical JSON text the
+guard handed over, ``error``, ``reason`` and ``owner`` as canonical JSON text, times as their
+exported ISO-8601 text (so a stored row re-hashes to exactly the hash it carries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from guard.canonical import canonical_bytes
+from guard.store import CallRecord, EffectEvent, current_owner, format_at, parse_at
+
+from .chain import compute_hash, event_body
+from .errors import CallNotFound, NotResolvable
+from .events import JournalEvent, text_sha256
+from .owner import owner_alive
+
+__all__ = [
+    "CALL_COLUMNS",
+    "EVENT_COLUMNS",
+    "call_row",
+    "canonical_text",
+    "event_from_row",
+    "event_row",
+    "json_text",
+    "operator_event",
+    "projection_problem",
+    "record_from_row",
+    "stamp",
+]
+
+EVENT_COLUMNS = ("seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments", "value",
+                 "error", "reason", "actor", "attempt", "owner", "prev_hash", "hash")
+CALL_COLUMNS = ("call_id", "tool", "status", "attempt", "agent_id", "idempotency_key", "arguments", "value",
+                "error", "reason", "actor", "owner", "created_at", "updated_at", "since", "last_seq")
+
+_SORTED = orjson.OPT_SORT_KEYS
+
+
+def json_text(obj: Mapping[str, Any] | None) -> str | None:
+    """The canonical JSON text of an error, reason or owner object (``ValueError`` if it has none)."""
+    if obj is None:
+        return None
+    try:
+        return orjson.dumps(obj if type(obj) is dict else dict(obj), option=_SORTED).decode()
+    except TypeError:
+        return canonical_bytes(dict(obj)).decode()
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else orjson.loads(text)
+
+
+def canonical_text(text: str | None, what: str) -> str | None:
+    """JSON ``text`` in its canonical form; ``ValueError`` naming ``what`` when it is not JSON."""
+    if text is None:
+        return None
+    try:
+        return canonical_bytes(orjson.loads(text)).decode()
+    except (orjson.JSONDecodeError, ValueError) as e:
+        raise ValueError(f"the {what} is not valid JSON: {e}") from e
+
+
+def record_from_row(row: tuple[Any, ...]) -> CallRecord:
+    """A projection row (columns as :data:`CALL_COLUMNS`) as a :class:`CallRecord`."""
+    return CallRecord(
+        call_id=row[0], tool=row[1], status=row[2], attempt=int(row[3]), agent_id=row[4],
+        idempotency_key=row[5], arguments=row[6], value=row[7], error=_loads(row[8]), reason=_loads(row[9]),
+        actor=row[10], owner=_loads(row[11]), created_at=parse_at(row[12]), updated_at=parse_at(row[13]),
+        since=parse_at(row[14]), last_seq=int(row[15]),
+    )
+
+
+def call_row(record: CallRecord) -> tuple[Any, ...]:
+    """The projection row of ``record`` (columns as :data:`CALL_COLUMNS`)."""
+    return (
+        record.call_id, record.tool, record.status, record.attempt, record.agent_id, record.idempotency_key,
+        record.arguments, record.value, json_text(record.error), json_text(record.reason), record.actor,
+        json_text(record.owner), format_at(record.created_at), format_at(record.updated_at),
+        format_at(record.since), record.last_seq,
+    )
+
+
+def event_from_row(row: tuple[Any, ...]) -> JournalEvent:
+    """An event row (columns as :data:`EVENT_COLUMNS`) as a :class:`JournalEvent`."""
+    return JournalEvent(
+        seq=int(row[0]), at=parse_at(row[1]), call_id=row[2], kind=row[3], tool=row[4], agent_id=row[5],
+        idempotency_key=row[6], arguments=row[7], value=row[8], error=_loads(row[9]), reason=_loads(row[10]),
+        actor=row[11], attempt=int(row[12]), owner=_loads(row[13]), prev_hash=row[14], hash=row[15],
+    )
+
+
+def event_row(event: JournalEvent) -> tuple[Any, ...]:
+    """The row of a stored event, exactly as it was stored (columns as :data:`EVENT_COLUMNS`)."""
+    return (
+        event.seq, format_at(event.at), event.call_id, event.kind, event.tool, event.agent_id,
+        event.idempotency_key, event.arguments, event.value, json_text(event.error), json_text(event.reason),
+        event.actor, event.attempt, json_text(event.owner), event.prev_hash, event.hash,
+    )
+
+
+def stamp(event: EffectEvent, seq: int, prev_hash: str) -> tuple[JournalEvent, tuple[Any, ...]]:
+    """Place ``event`` at ``seq`` after ``prev_hash``: the stored event and its row.
+
+    Raises ``ValueError`` when its error, reason or owner has no JSON form.
+    """
+    at_text = format_at(event.at)
+    error_text, reason_text, owner_text = json_text(event.error), json_text(event.reason), json_text(event.owner)
+    error, reason, owner = _loads(error_text), _loads(reason_text), _loads(owner_text)
+    digest = compute_hash(prev_hash, event_body(
+        seq=seq, at=at_text, call_id=event.call_id, kind=event.kind, tool=event.tool, agent_id=event.agent_id,
+        idempotency_key=event.idempotency_key, arguments_sha256=text_sha256(event.arguments),
+        value_sha256=text_sha256(event.value), error=error, reason=reason, actor=event.actor,
+        attempt=event.attempt, owner=owner,
+    ))
+    stored = JournalEvent(
+        seq=seq, at=parse_at(at_text), call_id=event.call_id, kind=event.kind, tool=event.tool,
+        agent_id=event.agent_id, idempotency_key=event.idempotency_key, arguments=event.arguments,
+        value=event.value, error=error, reason=reason, actor=event.actor, attempt=event.attempt, owner=owner,
+        prev_hash=prev_hash, hash=digest,
+    )
+    row = (seq, at_text, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
+           event.arguments, event.value, error_text, reason_text, event.actor, event.attempt, owner_text,
+           prev_hash, digest)
+    return stored, row
+
+
+def operator_event(
+    call_id: str,
+    record: CallRecord | None,
+    *,
+    applied: bool,
+    reason: str,
+    operator: str,
+    value: str | None,
+    force: bool,
+    journal: str,
+) -> EffectEvent:
+    """The event an operator's resolve of ``call_id`` appends, checked against its ``record``.
+
+    Raises ``ValueError`` (a value without ``applied``, one that is not JSON, no operator),
+    :class:`CallNotFound`, or :class:`NotResolvable` (another status than pending or unknown, or a
+    pending call whose owner process is alive on this host, unless ``force``).
+    """
+    if value is not None and not applied:
+        raise ValueError("a value can only be given for a call whose effect was applied")
+    if not operator:
+        raise ValueError("the operator's name is needed")
+    stored_value = canonical_text(value, "value")
+    if record is None:
+        raise CallNotFound(f"The journal {journal} has no call {call_id!r}.")
+    if record.status not in ("pending", "unknown"):
+        raise NotResolvable(
+            f"The call {call_id!r} in {journal} is {record.status}; only a pending or unknown call can be resolved."
+        )
+    if record.status == "pending" and not force and owner_alive(record.owner):
+        pid = record.owner.get("pid") if record.owner else None
+        raise NotResolvable(
+            f"The call {call_id!r} in {journal} is pending and its owner process (pid {pid}) is alive on "
+            "this host, so it may still finish; --force overrides."
+        )
+    return EffectEvent(
+        kind="committed" if applied else "released", call_id=call_id, tool=record.tool,
+        agent_id=record.agent_id, idempotency_key=record.idempotency_key, arguments=record.arguments,
+        value=stored_value, reason={"code": "applied" if applied else "not_applied", "message": reason},
+        actor=f"operator:{operator}", attempt=record.attempt, owner=current_owner(),
+    )
+
+
+def projection_problem(
+    folded: Mapping[str, CallRecord], stored: Mapping[str, CallRecord | None]
+) -> tuple[int, str] | None:
+    """The first difference between the fold of the log and the stored projection, as
+    ``(seq, sentence)``, or None when they are equal. ``stored`` maps a call id to its decoded
+    row (None for a row that cannot be read); it is checked in call id order."""
+    remaining = dict(folded)
+    for call_id in sorted(stored):
+        record = stored[call_id]
+        expected = remaining.pop(call_id, None)
+        if record != expected:
+            seq = expected.last_seq if expected is not None else (record.last_seq if record is not None else 0)
+            return seq, f"the projection of call {call_id!r} differs from the log; run rebuild"
+    if remaining:
+        call_id, record = min(remaining.items(), key=lambda item: item[1].last_seq)
+        return record.last_seq, f"the projection lacks call {call_id!r}; run rebuild"
+    return None
