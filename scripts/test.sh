@@ -1,7 +1,19 @@
 #!/usr/bin/env bash
-# Set up a virtual environment with the test extras and run the whole test suite.
+# Set up everything the tests need on a fresh machine and run the whole test suite.
+# PostgreSQL: the tests start a throwaway server of their own from the installed binaries;
+# Debian's postgresql package is installed here when they are missing (needs root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+have_pg() {
+  command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1
+}
+if ! have_pg && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq postgresql >/dev/null
+fi
+
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
