@@ -1,0 +1,222 @@
+"""guard.adapters.mcp: guarded functions served as MCP tools, keyed on params._meta["tool_call_id"]."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from jsonschema import Draft202012Validator, ValidationError
+from mcp import Client
+from mcp.types import CallToolRequest, CallToolRequestParams, CallToolResult, TextContent
+from pydantic import BaseModel
+
+from guard import Airlock, SecurityPolicy, get_current_context
+from guard.adapters import mcp as adapter
+from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key, reversibility
+
+
+class Warehouse:
+    """The backend: shipments are the effects, counted outside the guard."""
+
+    def __init__(self) -> None:
+        self.shipments: list[tuple[str, int]] = []
+
+
+def make_tools(store: InMemoryEffectStore, warehouse: Warehouse) -> list[Any]:
+    policy = SecurityPolicy(effect_guard=EffectGuard(store=store))
+
+    @Airlock(policy=policy)
+    def ship(sku: str, quantity: int = 1) -> dict[str, Any]:
+        """Ship an order from the warehouse."""
+        warehouse.shipments.append((sku, quantity))
+        return {"shipment": len(warehouse.shipments), "sku": sku, "quantity": quantity}
+
+    @Airlock(policy=policy)
+    async def aship(sku: str) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        warehouse.shipments.append((sku, 1))
+        return {"shipment": len(warehouse.shipments), "sku": sku}
+
+    @reversibility("reversible")
+    @Airlock(policy=policy)
+    def stock(sku: str) -> int:
+        return 10 - sum(q for s, q in warehouse.shipments if s == sku)
+
+    return [ship, aship, stock]
+
+
+def text(result: CallToolResult) -> str:
+    assert len(result.content) == 1 and isinstance(result.content[0], TextContent)
+    return result.content[0].text
+
+
+def run(scenario: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+def test_retry_after_a_lost_result_and_a_reconnect_replays_and_ships_once(mode: str) -> None:
+    store, warehouse = InMemoryEffectStore(), Warehouse()
+    server = adapter.serve(make_tools(store, warehouse), name="warehouse")
+
+    async def scenario() -> tuple[CallToolResult, CallToolResult]:
+        async with Client(server, mode=mode) as client:  # type: ignore[arg-type]
+            listed = await client.list_tools()
+            assert [t.name for t in listed.tools] == ["ship", "aship", "stock"]
+            lost = await client.call_tool("ship", {"sku": "A-1", "quantity": 2}, meta={"tool_call_id": "mcp-1"})
+        # The client lost that result (it went away before using it); a new connection resends the call.
+        async with Client(server, mode=mode) as client:  # type: ignore[arg-type]
+            again = await client.call_tool("ship", {"sku": "A-1", "quantity": 2}, meta={"tool_call_id": "mcp-1"})
+        return lost, again
+
+    lost, again = run(scenario)
+    assert again.is_error is False
+    assert text(again) == text(lost) == '{"quantity":2,"shipment":1,"sku":"A-1"}'
+    assert warehouse.shipments == [("A-1", 2)]
+    assert [e.kind for e in store.events("mcp-1")] == ["pending", "committed", "replayed"]
+
+
+def test_async_tools_are_awaited_and_replayed() -> None:
+    store, warehouse = InMemoryEffectStore(), Warehouse()
+    server = adapter.serve(make_tools(store, warehouse))
+
+    async def scenario() -> list[CallToolResult]:
+        async with Client(server) as client:
+            return [await client.call_tool("aship", {"sku": "B-2"}, meta={"tool_call_id": "mcp-a"})
+                    for _ in range(2)]
+
+    first, again = run(scenario)
+    assert text(first) == text(again) == '{"shipment":1,"sku":"B-2"}'
+    assert warehouse.shipments == [("B-2", 1)]
+
+
+def test_a_call_without_an_id_is_refused_for_an_irreversible_tool_and_runs_for_a_reversible_one() -> None:
+    store, warehouse = InMemoryEffectStore(), Warehouse()
+    server = adapter.serve(make_tools(store, warehouse))
+
+    async def scenario() -> tuple[CallToolResult, CallToolResult]:
+        async with Client(server) as client:
+            refused = await client.call_tool("ship", {"sku": "C-3"})
+            read = await client.call_tool("stock", {"sku": "C-3"})
+            return refused, read
+
+    refused, read = run(scenario)
+    assert refused.is_error is True
+    refusal = json.loads(text(refused))
+    assert refusal["block_reason"] == "tool_call_id_required"
+    assert any("_meta['tool_call_id']" in h for h in refusal["fix_hints"])
+    assert warehouse.shipments == []
+    assert read.is_error is False and text(read) == "10"
+    assert [(e.kind, e.call_id) for e in store.events()] == [("refused", None)]
+
+
+def test_unknown_tool_and_arguments_that_do_not_fit_are_error_results() -> None:
+    store, warehouse = InMemoryEffectStore(), Warehouse()
+    server = adapter.serve(make_tools(store, warehouse))
+
+    async def scenario() -> tuple[CallToolResult, CallToolResult]:
+        async with Client(server) as client:
+            unknown = await client.call_tool("restock", {"sku": "D"}, meta={"tool_call_id": "mcp-u"})
+            unfit = await client.call_tool("ship", {"sku": "D", "item": 1}, meta={"tool_call_id": "mcp-f"})
+            return unknown, unfit
+
+    unknown, unfit = run(scenario)
+    assert unknown.is_error is True
+    assert json.loads(text(unknown))["metadata"]["violation_type"] == "unknown_tool"
+    assert unfit.is_error is True
+    refusal = json.loads(text(unfit))
+    assert refusal["block_reason"] == "arguments_not_canonical"
+    assert "unexpected keyword argument 'item'" in refusal["error"]
+    assert warehouse.shipments == []
+    assert [e.kind for e in store.events("mcp-u")] == ["refused"]
+    assert [e.kind for e in store.events("mcp-f")] == ["refused"]
+
+
+def test_an_argument_named_tool_call_id_is_the_models_not_the_calls_id() -> None:
+    store = InMemoryEffectStore()
+    seen: list[tuple[str | None, str]] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)))
+    def note(tool_call_id: str) -> str:
+        ctx = get_current_context()
+        seen.append((ctx.tool_call_id if ctx else None, tool_call_id))
+        return "noted"
+
+    async def scenario() -> None:
+        async with Client(adapter.serve([note])) as client:
+            for _ in range(2):
+                await client.call_tool("note", {"tool_call_id": "from-model"}, meta={"tool_call_id": "mcp-n"})
+
+    run(scenario)
+    assert seen == [("mcp-n", "from-model")]
+    record = store.get("mcp-n")
+    assert record is not None and record.idempotency_key == idempotency_key("note", {"tool_call_id": "from-model"})
+    assert store.get("from-model") is None
+
+
+def test_adispatch_takes_the_sdk_params_the_whole_request_or_a_dict() -> None:
+    store, warehouse = InMemoryEffectStore(), Warehouse()
+    tools = make_tools(store, warehouse)
+    params = CallToolRequestParams(name="ship", arguments={"sku": "E"}, _meta={"tool_call_id": "mcp-e"})
+
+    async def scenario() -> list[CallToolResult]:
+        return [
+            await adapter.adispatch(params, tools),
+            await adapter.adispatch(CallToolRequest(params=params), tools),
+            await adapter.adispatch({"name": "ship", "arguments": {"sku": "E"}, "_meta": {"tool_call_id": "mcp-e"}},
+                                    tools),
+            await adapter.adispatch({"name": "ship", "arguments": {"sku": "E"}, "_meta": {"op": "mcp-e"}},
+                                    tools, meta_key="op"),
+        ]
+
+    results = run(scenario)
+    assert {text(r) for r in results} == {'{"quantity":1,"shipment":1,"sku":"E"}'}
+    assert warehouse.shipments == [("E", 1)]
+    assert [e.kind for e in store.events("mcp-e")] == ["pending", "committed", "replayed", "replayed", "replayed"]
+    with pytest.raises(ValueError, match="names its tool"):
+        run(lambda: adapter.adispatch({"arguments": {}}, tools))
+
+
+class Address(BaseModel):
+    street: str
+    city: str
+
+
+def test_input_schemas_come_from_the_signatures() -> None:
+    policy = SecurityPolicy()
+
+    @Airlock(policy=policy)
+    def deliver(to: Address, items: list[str], stops: list[Address], express: bool = False,
+                note: str | None = None) -> None: ...
+
+    @Airlock(policy=policy)
+    def anything(name, *args: int, **extra: Any) -> None: ...  # type: ignore[no-untyped-def]
+
+    schema = adapter.input_schema(deliver)
+    assert schema["type"] == "object" and schema["required"] == ["to", "items", "stops"]
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["items"] == {"type": "array", "items": {"type": "string"}}
+    assert schema["properties"]["express"] == {"type": "boolean", "default": False}
+    assert schema["properties"]["to"]["required"] == ["street", "city"]
+    # A nested model's definition is hoisted to the root, where its "$ref" points.
+    assert schema["properties"]["stops"]["items"] == {"$ref": "#/$defs/Address"}
+    assert schema["$defs"]["Address"]["required"] == ["street", "city"]
+    validator = Draft202012Validator(schema)
+    stop = {"street": "1 Main St", "city": "Oslo"}
+    validator.validate({"to": stop, "items": ["box"], "stops": [stop]})
+    with pytest.raises(ValidationError):
+        validator.validate({"to": stop, "items": ["box"], "stops": [{"street": "x"}]})
+    open_schema = adapter.input_schema(anything)
+    assert open_schema == {"type": "object", "properties": {"name": {}}, "required": ["name"]}
+    [tool] = adapter.list_tools({"deliver_parcel": deliver})
+    assert tool.name == "deliver_parcel" and tool.input_schema == schema
+
+
+def test_serve_refuses_tools_that_are_not_guarded() -> None:
+    def plain(sku: str) -> None: ...
+
+    with pytest.raises(TypeError, match="not decorated with @Airlock"):
+        adapter.serve([plain])
