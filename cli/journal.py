@@ -45,7 +45,7 @@ def _echo_lines(lines: list[str]) -> None:
 
 
 def _stdout() -> BinaryIO:
-    return click.get_binary_stream("stdout")
+    return sys.stdout.buffer
 
 
 @contextmanager
@@ -287,9 +287,9 @@ def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, red
         raise click.ClickException(f"cannot write to {output}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "wb") as out:
-            if click.get_text_stream("stderr").isatty():
+            if sys.stderr.isatty():
                 with click.progressbar(length=j.count_events(**filters), label="Exporting",
-                                       file=click.get_text_stream("stderr")) as bar:
+                                       file=sys.stderr) as bar:
                     written = write_events(j.events(**filters), out, fmt=fmt, redact=redact, advance=bar.update)
             else:
                 written = write_events(j.events(**filters), out, fmt=fmt, redact=redact)

@@ -1,0 +1,75 @@
+"""``airlock demo``: the story runs, charges once per payment, and its closing command settles the call."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import orjson
+
+from tests.cli_support import count_events, invoke, rows, run_airlock
+
+
+def resolve_command(output: str) -> list[str]:
+    line = next(line for line in output.splitlines() if line.strip().startswith("airlock journal resolve "))
+    return shlex.split(line)[1:]
+
+
+def test_demo_charges_once_per_payment_and_ends_with_what_the_operator_sees(tmp_path: Path) -> None:
+    db = tmp_path / "demo.db"
+    result = invoke("demo", "--db", str(db))
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "The backend's ledger: 2 charges for 2 intended payments" in out
+    assert "replayed the stored receipt" in out
+    assert "refused effect_status_unknown" in out
+    assert f"airlock journal show --db {db} --limit 3" in out
+    table = out.split("shows the operator:", 1)[1].splitlines()
+    assert table[1].split()[:3] == ["CALL", "ID", "TOOL"]
+    assert table[3].split()[:3] == ["call_r1_2", "charge", "unknown"]
+    assert rows(db, "SELECT call_id, status FROM calls ORDER BY call_id") == [
+        ("call_r1_1", "committed"), ("call_r1_2", "unknown"), ("call_r1_3", "committed"),
+    ]
+    kinds = [k for (k,) in rows(db, "SELECT kind FROM events ORDER BY seq")]
+    assert kinds.count("replayed") == 1 and kinds.count("refused") == 1
+    assert len(out.splitlines()) < 45
+
+
+def test_the_printed_resolve_command_settles_the_unknown_call(tmp_path: Path) -> None:
+    db = tmp_path / "demo.db"
+    out = invoke("demo", "--db", str(db)).stdout
+    args = resolve_command(out)
+    assert args[:5] == ["journal", "resolve", "call_r1_2", "--db", str(db)]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    status, value = rows(db, "SELECT status, value FROM calls WHERE call_id = 'call_r1_2'")[0]
+    assert status == "committed"
+    assert orjson.loads(value) == {"account": "acct_bob", "cents": 4200, "charge_id": "ch_2", "status": "succeeded"}
+
+
+def test_demo_reruns_on_the_same_journal_with_fresh_calls(tmp_path: Path) -> None:
+    db = tmp_path / "demo.db"
+    assert invoke("demo", "--db", str(db)).exit_code == 0
+    first = count_events(db)
+    again = invoke("demo", "--db", str(db))
+    assert again.exit_code == 0, again.output
+    assert "run 2" in again.stdout and "call_r2_2" in again.stdout
+    assert count_events(db) == 2 * first
+    assert invoke("journal", "verify", "--db", str(db)).exit_code == 0
+
+
+def test_demo_defaults_to_airlock_demo_db_in_the_current_directory(tmp_path: Path) -> None:
+    result = run_airlock("demo", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "airlock-demo.db").exists()
+    shown = run_airlock("journal", "show", "--db", "airlock-demo.db", cwd=tmp_path)
+    assert shown.returncode == 0 and "call_r1_2" in shown.stdout
+
+
+def test_demo_on_a_file_that_is_not_a_journal_is_an_error(tmp_path: Path) -> None:
+    other = tmp_path / "notes.db"
+    other.write_text("not a database")
+    result = invoke("demo", "--db", str(other))
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ") and "not an airlock journal" in result.stderr
+    assert other.read_text() == "not a database"

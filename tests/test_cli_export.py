@@ -1,0 +1,204 @@
+"""``airlock journal export`` and ``verify --export``: the audit trail as JSON Lines or CSV, checked offline."""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from cli.export import CSV_COLUMNS
+from tests.cli_support import count_events, digest, invoke, rows, seed
+
+SECTION_3_FIELDS = {
+    "seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments", "value", "error",
+    "reason", "actor", "attempt", "owner", "prev_hash", "hash",
+}
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "journal.db"
+    seed(path)
+    return path
+
+
+def exported(db: Path, *args: str) -> list[dict[str, Any]]:
+    result = invoke("journal", "export", "--db", str(db), *args)
+    assert result.exit_code == 0, result.output
+    return [orjson.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_jsonl_has_every_event_with_every_field(db: Path) -> None:
+    lines = exported(db)
+    assert [line["seq"] for line in lines] == list(range(1, count_events(db) + 1))
+    for line in lines:
+        assert SECTION_3_FIELDS | {"arguments_sha256", "value_sha256", "redacted"} <= set(line)
+        assert line["redacted"] == []
+    committed = next(line for line in lines if line["kind"] == "committed")
+    assert committed["arguments"] == {"account": "acct_1", "cents": 500}
+    assert committed["value"] == {"charge_id": "ch_1", "cents": 500}
+    assert isinstance(committed["owner"], dict) and committed["at"].endswith("Z")
+    unknown = next(line for line in lines if line["kind"] == "unknown")
+    assert unknown["error"] == {"type": "TimeoutError", "message": "backend did not answer"}
+    refused = [line for line in lines if line["kind"] == "refused"]
+    assert {line["reason"]["code"] for line in refused} == {"effect_status_unknown", "policy_violation"}
+    assert lines[0]["prev_hash"] == "0" * 64
+    assert all(b["prev_hash"] == a["hash"] for a, b in itertools.pairwise(lines))
+
+
+def test_redacted_fields_are_null_and_named_but_keep_their_digests(db: Path) -> None:
+    plain = exported(db)
+    redacted = exported(db, "--redact", "arguments,value")
+    assert len(plain) == len(redacted)
+    for a, b in zip(plain, redacted, strict=True):
+        assert b["arguments"] is None and b["value"] is None
+        assert b["redacted"] == ["arguments", "value"]
+        assert (b["arguments_sha256"], b["value_sha256"]) == (a["arguments_sha256"], a["value_sha256"])
+        assert b["hash"] == a["hash"]
+
+
+@pytest.mark.parametrize("value", ["secrets", "arguments,owner", ""])
+def test_redacting_an_unknown_field_is_a_usage_error(db: Path, value: str) -> None:
+    result = invoke("journal", "export", "--db", str(db), "--redact", value)
+    assert result.exit_code == 2
+    assert "Invalid value for '--redact'" in result.stderr
+    assert result.stdout == ""
+
+
+def test_filters(db: Path) -> None:
+    assert {line["call_id"] for line in exported(db, "--call", "call-ok")} == {"call-ok"}
+    assert len(exported(db, "--call", "call-ok")) == 3
+    assert {line["tool"] for line in exported(db, "--tool", "read_balance")} == {"read_balance"}
+    assert {line["agent_id"] for line in exported(db, "--agent", "agent-2")} == {"agent-2"}
+    assert len(exported(db, "--since", "1h")) == count_events(db)
+    assert exported(db, "--until", "1h") == []
+    tomorrow = (datetime.now(UTC) + timedelta(days=1)).strftime("%Y-%m-%d")
+    assert len(exported(db, "--until", tomorrow)) == count_events(db)
+    bad = invoke("journal", "export", "--db", str(db), "--since", "last week")
+    assert bad.exit_code == 2 and "'last week' is not a time" in bad.stderr
+
+
+def test_csv_has_a_header_and_the_same_fields_as_text(db: Path) -> None:
+    result = invoke("journal", "export", "--format", "csv", "--db", str(db))
+    assert result.exit_code == 0
+    table = list(csv.reader(io.StringIO(result.stdout)))
+    assert tuple(table[0]) == CSV_COLUMNS
+    assert SECTION_3_FIELDS | {"arguments_sha256", "value_sha256", "redacted"} == set(CSV_COLUMNS)
+    records = [dict(zip(table[0], row, strict=True)) for row in table[1:]]
+    assert len(records) == count_events(db)
+    jsonl = exported(db)
+    for record, line in zip(records, jsonl, strict=True):
+        assert int(record["seq"]) == line["seq"] and record["hash"] == line["hash"]
+        for name in ("arguments", "value", "error", "reason", "owner"):
+            assert record[name] == ("" if line[name] is None else orjson.dumps(line[name]).decode())
+        assert orjson.loads(record["redacted"]) == []
+
+
+def test_output_file_and_stdout_are_the_same(db: Path, tmp_path: Path) -> None:
+    out = tmp_path / "audit.jsonl"
+    result = invoke("journal", "export", "--db", str(db), "--output", str(out))
+    assert result.exit_code == 0
+    assert result.stdout == ""
+    assert result.stderr == f"Exported {count_events(db)} events to {out}\n"
+    assert out.read_text() == invoke("journal", "export", "--db", str(db)).stdout
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_an_output_file_that_cannot_be_written_is_an_error(db: Path, tmp_path: Path) -> None:
+    result = invoke("journal", "export", "--db", str(db), "--output", str(tmp_path / "no-such-dir" / "a.jsonl"))
+    assert result.exit_code in (1, 2)
+    assert "Error:" in result.stderr and "Traceback" not in result.output
+
+
+def test_export_never_changes_the_journal(db: Path) -> None:
+    before = digest(db)
+    exported(db)
+    invoke("journal", "export", "--format", "csv", "--db", str(db))
+    assert digest(db) == before
+
+
+def test_export_of_a_missing_journal_is_an_error_and_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.db"
+    result = invoke("journal", "export", "--db", str(missing))
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: There is no journal at {missing}.")
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- verify --export ----------------------------------------------------------------------------
+
+
+def write_lines(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    return path
+
+
+def test_an_export_verifies_offline_redacted_or_not(db: Path, tmp_path: Path) -> None:
+    head = rows(db, "SELECT hash FROM events ORDER BY seq DESC LIMIT 1")[0][0]
+    for args in ([], ["--redact", "arguments,value"]):
+        out = tmp_path / "audit.jsonl"
+        assert invoke("journal", "export", "--db", str(db), "-o", str(out), *args).exit_code == 0
+        result = invoke("journal", "verify", "--export", str(out))
+        assert result.exit_code == 0, result.output
+        assert result.stdout == f"OK: {count_events(db)} events, head {head}\n"
+
+
+def test_a_changed_line_fails_with_its_seq(db: Path, tmp_path: Path) -> None:
+    lines = exported(db)
+    lines[3]["attempt"] = 7
+    result = invoke("journal", "verify", "--export", str(write_lines(tmp_path / "a.jsonl", lines)))
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: chain broken at seq 4: ")
+    lines = exported(db)
+    lines[1]["value"] = {"charge_id": "ch_999", "cents": 500}
+    result = invoke("journal", "verify", "--export", str(write_lines(tmp_path / "b.jsonl", lines)))
+    assert result.exit_code == 1 and result.stderr.startswith("Error: chain broken at seq 2: ")
+
+
+def test_a_gap_fails_unless_allowed(db: Path, tmp_path: Path) -> None:
+    lines = exported(db)
+    del lines[2]
+    path = write_lines(tmp_path / "gap.jsonl", lines)
+    result = invoke("journal", "verify", "--export", str(path))
+    assert result.exit_code == 1 and result.stderr.startswith("Error: chain broken at seq 4: ")
+    allowed = invoke("journal", "verify", "--export", str(path), "--allow-gaps")
+    assert allowed.exit_code == 0 and allowed.stdout.startswith(f"OK: {len(lines)} events")
+
+
+def test_a_filtered_export_verifies_with_allow_gaps(db: Path, tmp_path: Path) -> None:
+    out = tmp_path / "one.jsonl"
+    assert invoke("journal", "export", "--db", str(db), "--call", "call-timeout", "-o", str(out)).exit_code == 0
+    assert invoke("journal", "verify", "--export", str(out), "--allow-gaps").exit_code == 0
+    assert invoke("journal", "verify", "--export", str(out)).exit_code == 1
+
+
+def test_a_file_that_is_not_jsonl_is_an_error_with_its_line(db: Path, tmp_path: Path) -> None:
+    good = exported(db)
+    path = tmp_path / "broken.jsonl"
+    path.write_bytes(orjson.dumps(good[0]) + b"\n" + b"this is not json\n")
+    result = invoke("journal", "verify", "--export", str(path))
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: {path} is not a JSON Lines export: line 2 is not JSON")
+    csv_file = tmp_path / "audit.csv"
+    csv_file.write_text(invoke("journal", "export", "--format", "csv", "--db", str(db)).stdout)
+    result = invoke("journal", "verify", "--export", str(csv_file))
+    assert result.exit_code == 1 and "line 1 is not JSON" in result.stderr
+    path.write_text("[1, 2]\n")
+    result = invoke("journal", "verify", "--export", str(path))
+    assert result.exit_code == 1 and "line 1 is not a JSON object" in result.stderr
+
+
+def test_allow_gaps_without_export_is_a_usage_error(db: Path) -> None:
+    result = invoke("journal", "verify", "--allow-gaps", "--db", str(db))
+    assert result.exit_code == 2 and "--allow-gaps goes with --export FILE" in result.stderr
+
+
+def test_verify_export_of_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
+    result = invoke("journal", "verify", "--export", str(tmp_path / "nope.jsonl"))
+    assert result.exit_code == 2 and "does not exist" in result.stderr

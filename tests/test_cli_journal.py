@@ -1,0 +1,195 @@
+"""``verify``, ``rebuild``, ``stats``, ``--help`` of every command, and the installed ``airlock`` script."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+import orjson
+import pytest
+
+from cli.main import main
+from tests.cli_support import count_events, digest, invoke, leave_pending, rows, run_airlock, seed
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "journal.db"
+    seed(path)
+    return path
+
+
+def tamper(db: Path, sql: str) -> None:
+    """Change the file behind the journal's back, the way an attacker with the file would."""
+    conn = sqlite3.connect(db)
+    try:
+        conn.execute("DROP TRIGGER events_no_update")
+        conn.execute(sql)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+# -- verify --------------------------------------------------------------------------------------
+
+
+def test_verify_prints_the_count_and_head(db: Path) -> None:
+    before = digest(db)
+    result = invoke("journal", "verify", "--db", str(db))
+    assert result.exit_code == 0
+    head = rows(db, "SELECT hash FROM events ORDER BY seq DESC LIMIT 1")[0][0]
+    assert result.stdout == f"OK: {count_events(db)} events, head {head}\n"
+    as_json = orjson.loads(invoke("journal", "verify", "--json", "--db", str(db)).stdout)
+    assert as_json == {"ok": True, "events": count_events(db), "head": head, "first_bad_seq": None, "problem": None}
+    assert digest(db) == before
+
+
+def test_verify_names_the_first_altered_event(db: Path) -> None:
+    tamper(db, "UPDATE events SET arguments = '{\"account\":\"acct_1\",\"cents\":5}' WHERE seq = 2")
+    result = invoke("journal", "verify", "--db", str(db))
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: chain broken at seq 2: ")
+    as_json = invoke("journal", "verify", "--json", "--db", str(db))
+    assert as_json.exit_code == 1 and orjson.loads(as_json.stdout)["first_bad_seq"] == 2
+
+
+def test_verify_catches_a_projection_that_differs_and_rebuild_repairs_it(db: Path) -> None:
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE calls SET status = 'released' WHERE call_id = 'call-timeout'")
+    conn.commit()
+    conn.close()
+    result = invoke("journal", "verify", "--db", str(db))
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: chain broken at seq ") and "call-timeout" in result.stderr
+    events = count_events(db)
+    rebuilt = invoke("journal", "rebuild", "--db", str(db))
+    assert rebuilt.exit_code == 0
+    assert rebuilt.stdout == "Rebuilt the projection: 4 calls\n"
+    assert rows(db, "SELECT status FROM calls WHERE call_id = 'call-timeout'") == [("unknown",)]
+    assert count_events(db) == events
+    assert invoke("journal", "verify", "--db", str(db)).exit_code == 0
+
+
+@pytest.mark.parametrize("command", ["verify", "stats", "rebuild"])
+def test_a_missing_journal_is_an_error_and_is_not_created(tmp_path: Path, command: str) -> None:
+    missing = tmp_path / "missing.db"
+    result = invoke("journal", command, "--db", str(missing))
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: There is no journal at {missing}.")
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+
+def test_stats_json(db: Path) -> None:
+    leave_pending(db, "call-crashed")
+    before = digest(db)
+    result = invoke("journal", "stats", "--json", "--db", str(db))
+    assert result.exit_code == 0
+    counted = orjson.loads(result.stdout)
+    assert counted["calls"] == 5 and counted["events"] == count_events(db)
+    assert counted["by_status"] == {"committed": 2, "unknown": 1, "released": 1, "pending": 1}
+    assert counted["by_tool"] == {"charge": 4, "read_balance": 1}
+    unknown_since = rows(db, "SELECT since FROM calls WHERE call_id = 'call-timeout'")[0][0]
+    assert counted["oldest_unknown_at"] == unknown_since
+    assert datetime.fromisoformat(counted["oldest_pending_at"]) <= datetime.now(UTC)
+    assert digest(db) == before
+
+
+def test_stats_table(db: Path) -> None:
+    result = invoke("journal", "stats", "--db", str(db))
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert "calls   4" in lines and f"events  {count_events(db)}" in lines
+    assert any(line.split() == ["unknown", "1"] for line in lines)
+    assert any(line.split() == ["charge", "3"] for line in lines)
+    assert any(line.startswith("oldest unknown  20") and line.endswith("s ago)") for line in lines)
+    assert "oldest pending  -" in lines
+
+
+def test_stats_of_an_empty_journal(tmp_path: Path) -> None:
+    path = tmp_path / "empty.db"
+    from journal import SQLiteJournal
+
+    SQLiteJournal(path).close()
+    counted = orjson.loads(invoke("journal", "stats", "--json", "--db", str(path)).stdout)
+    assert counted == {"calls": 0, "events": 0, "by_status": {}, "by_tool": {},
+                       "oldest_pending_at": None, "oldest_unknown_at": None}
+
+
+# -- help ----------------------------------------------------------------------------------------
+
+
+def all_commands() -> list[list[str]]:
+    found: list[list[str]] = [[]]
+
+    def walk(group: click.Group, prefix: list[str]) -> None:
+        for name, command in group.commands.items():
+            found.append([*prefix, name])
+            if isinstance(command, click.Group):
+                walk(command, [*prefix, name])
+
+    walk(main, [])
+    return found
+
+
+def test_the_commands_are_those_of_the_contract() -> None:
+    assert {" ".join(c) for c in all_commands()} == {
+        "", "demo", "journal", "journal show", "journal resolve", "journal export", "journal verify",
+        "journal rebuild", "journal stats",
+    }
+
+
+@pytest.mark.parametrize("command", all_commands(), ids=lambda c: " ".join(c) or "airlock")
+def test_every_help_has_an_example(command: list[str]) -> None:
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0
+    assert "Example:" in result.stdout
+    assert "airlock " in result.stdout.split("Example:", 1)[1]
+
+
+# -- the installed script ------------------------------------------------------------------------
+
+
+def test_script_show_and_verify(db: Path) -> None:
+    shown = run_airlock("journal", "show", "--json", "--db", str(db))
+    assert shown.returncode == 0, shown.stderr
+    assert len(shown.stdout.splitlines()) == 4
+    verified = run_airlock("journal", "verify", env={"AIRLOCK_JOURNAL": str(db)})
+    assert verified.returncode == 0 and verified.stdout.startswith(f"OK: {count_events(db)} events, head ")
+
+
+def test_script_errors_are_one_line_without_a_traceback(db: Path, tmp_path: Path) -> None:
+    missing = run_airlock("journal", "stats", "--db", str(tmp_path / "missing.db"))
+    assert missing.returncode == 1
+    assert missing.stderr.count("\n") == 1 and missing.stderr.startswith("Error: There is no journal at ")
+    assert missing.stdout == ""
+    assert not (tmp_path / "missing.db").exists()
+    unknown = run_airlock("journal", "show", "nope", "--db", str(db))
+    assert (unknown.returncode, unknown.stderr) == (1, f"Error: no call 'nope' in the journal {db}\n")
+
+
+def test_script_usage_error_exits_2_and_changes_nothing(db: Path) -> None:
+    events = count_events(db)
+    both = run_airlock("journal", "resolve", "call-timeout", "--applied", "--not-applied", "--reason", "x",
+                       "--db", str(db))
+    assert both.returncode == 2
+    assert both.stderr.splitlines()[-1] == "Error: give exactly one of --applied or --not-applied"
+    assert count_events(db) == events
+
+
+def test_script_resolve_then_export_to_a_pipe(db: Path) -> None:
+    settled = run_airlock("journal", "resolve", "call-timeout", "--not-applied", "--reason", "no charge",
+                          "--db", str(db))
+    assert settled.returncode == 0, settled.stderr
+    exported = run_airlock("journal", "export", "--db", str(db), "--call", "call-timeout")
+    kinds = [orjson.loads(line)["kind"] for line in exported.stdout.splitlines()]
+    assert kinds == ["pending", "unknown", "refused", "released"]
+
+
+def test_script_version() -> None:
+    result = run_airlock("--version")
+    assert result.returncode == 0 and result.stdout.startswith("airlock, version ")
