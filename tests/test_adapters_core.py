@@ -1,0 +1,308 @@
+"""What every adapter shares: the tools table, the text the model reads, errors, refusals, laziness."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guard import Airlock, SecurityPolicy
+from guard.adapters import anthropic, openai
+from guard.effect_guard import EffectGuard, InMemoryEffectStore, reversibility
+
+
+def chat(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def use(call_id: str, name: str, tool_input: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call_id, "name": name, "input": tool_input}
+
+
+def guarded(store: InMemoryEffectStore | None = None, **policy: Any) -> Airlock:
+    return Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store), **policy))
+
+
+# -- the tools table ---------------------------------------------------------------------------
+
+
+def test_tools_as_a_list_by_name_or_as_a_mapping_by_the_models_name() -> None:
+    store = InMemoryEffectStore()
+    ran: list[str] = []
+
+    @guarded(store)
+    def charge(cents: int) -> int:
+        ran.append("charge")
+        return cents
+
+    assert openai.dispatch(chat("c1", "charge", {"cents": 1}), [charge])["content"] == "1"
+    assert openai.dispatch(chat("c2", "pay", {"cents": 2}), {"pay": charge})["content"] == "2"
+    refusal = json.loads(openai.dispatch(chat("c3", "charge", {"cents": 3}), {"pay": charge})["content"])
+    assert refusal["metadata"]["violation_type"] == "unknown_tool" and refusal["metadata"]["tools"] == ["pay"]
+    assert ran == ["charge", "charge"]
+    # The journal names the function; the model's name for it is the host's business.
+    assert [e.tool for e in store.events("c2")] == ["charge", "charge"]
+
+
+def test_tools_that_cannot_be_dispatched_raise() -> None:
+    @guarded()
+    def charge(cents: int) -> int:
+        return cents
+
+    def unguarded(cents: int) -> int:
+        return cents
+
+    call = chat("c1", "charge", {"cents": 1})
+    with pytest.raises(TypeError, match="'unguarded' is not decorated with @Airlock"):
+        openai.dispatch(call, [charge, unguarded])
+    with pytest.raises(ValueError, match="two tools are named 'charge'"):
+        openai.dispatch(call, [charge, charge])
+    with pytest.raises(TypeError, match="not callable"):
+        openai.dispatch(call, {"charge": "charge"})
+    with pytest.raises(TypeError, match="not str"):
+        openai.dispatch(call, "charge")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="non-empty string"):
+        openai.dispatch(call, {"": charge})
+
+
+# -- unknown tools -----------------------------------------------------------------------------
+
+
+def test_an_unknown_tool_is_journaled_in_the_store_all_tools_share() -> None:
+    store = InMemoryEffectStore()
+
+    @guarded(store)
+    def charge(cents: int) -> int:
+        return cents
+
+    result = anthropic.dispatch(use("toolu_1", "refund", {"cents": 5}), [charge], agent_id="agent-9")
+    assert result["is_error"] is True
+    refusal = json.loads(result["content"])
+    assert refusal["block_reason"] == "policy_violation"
+    assert "no tool named 'refund'" in refusal["error"] and "charge" in refusal["error"]
+    assert refusal["fix_hints"]
+    [event] = store.events()
+    assert (event.kind, event.call_id, event.tool, event.agent_id) == ("refused", "toolu_1", "refund", "agent-9")
+    assert event.reason is not None and event.reason["code"] == "policy_violation"
+    assert store.get("toolu_1") is None
+
+
+def test_an_unknown_tool_among_tools_of_several_stores_is_only_an_error_result() -> None:
+    first, second = InMemoryEffectStore(), InMemoryEffectStore()
+
+    @guarded(first)
+    def charge(cents: int) -> int:
+        return cents
+
+    @guarded(second)
+    def refund(cents: int) -> int:
+        return cents
+
+    result = anthropic.dispatch(use("toolu_2", "void", {}), [charge, refund])
+    assert result["is_error"] is True
+    assert json.loads(result["content"])["metadata"]["violation_type"] == "unknown_tool"
+    assert first.events() == [] and second.events() == []
+
+
+# -- refusals and errors -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("on_block", ["return", "raise"])
+def test_a_refusal_reaches_the_model_with_its_error_and_fix_hints(on_block: Any) -> None:
+    store = InMemoryEffectStore()
+    airlock = Airlock(policy=SecurityPolicy(denied_tools=["delete_*"], effect_guard=EffectGuard(store=store)),
+                      on_block=on_block)
+    ran: list[str] = []
+
+    @airlock
+    def delete_repo(name: str) -> str:
+        ran.append(name)
+        return "deleted"
+
+    result = anthropic.dispatch(use("toolu_3", "delete_repo", {"name": "prod"}), [delete_repo])
+    assert result["is_error"] is True
+    refusal = json.loads(result["content"])
+    assert refusal["success"] is False and refusal["status"] == "blocked"
+    assert refusal["block_reason"] == "policy_violation"
+    assert "denied" in refusal["error"]
+    assert refusal["fix_hints"] == ["Do not call this tool again in this session; choose an allowed tool."]
+    assert refusal["metadata"]["tool_call_id"] == "toolu_3"
+    assert ran == []
+    assert [e.kind for e in store.events("toolu_3")] == ["refused"]
+    message = openai.dispatch(chat("c4", "delete_repo", {"name": "prod"}), [delete_repo])
+    assert json.loads(message["content"])["block_reason"] == "policy_violation"
+
+
+def test_bad_arguments_are_refused_under_on_block_raise_too() -> None:
+    store = InMemoryEffectStore()
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)), on_block="raise")
+    def charge(cents: int) -> int:
+        return cents
+
+    result = anthropic.dispatch(use("toolu_4", "charge", {"euros": 1}), [charge])
+    assert result["is_error"] is True
+    assert json.loads(result["content"])["block_reason"] == "arguments_not_canonical"
+    assert [e.kind for e in store.events("toolu_4")] == ["refused"]
+
+
+def test_an_exception_is_an_error_result_released_so_the_retry_runs(caplog: pytest.LogCaptureFixture) -> None:
+    store = InMemoryEffectStore()
+    attempts: list[int] = []
+
+    @guarded(store)
+    def charge(cents: int) -> str:
+        attempts.append(cents)
+        if len(attempts) == 1:
+            raise ValueError("card declined")
+        return "charged"
+
+    with caplog.at_level(logging.WARNING, logger="guard.adapters"):
+        failed = anthropic.dispatch(use("toolu_5", "charge", {"cents": 9}), [charge])
+    assert failed["is_error"] is True
+    error = json.loads(failed["content"])
+    assert error["error_type"] == "ValueError" and error["message"] == "card declined"
+    assert "ValueError: card declined" in error["error"]
+    assert any("charge" in r.getMessage() and r.exc_info for r in caplog.records)
+    retried = anthropic.dispatch(use("toolu_5", "charge", {"cents": 9}), [charge])
+    assert retried == {"type": "tool_result", "tool_use_id": "toolu_5", "content": '"charged"', "is_error": False}
+    assert attempts == [9, 9]
+    assert [e.kind for e in store.events("toolu_5")] == ["pending", "released", "pending", "committed"]
+
+
+def test_an_interrupt_is_not_swallowed() -> None:
+    store = InMemoryEffectStore()
+
+    @guarded(store)
+    def charge(cents: int) -> str:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        openai.dispatch(chat("c6", "charge", {"cents": 1}), [charge])
+    assert [e.kind for e in store.events("c6")] == ["pending", "unknown"]
+
+
+# -- the text the model reads ------------------------------------------------------------------
+
+
+@dataclass
+class Receipt:
+    id: str
+    lines: tuple[int, ...]
+
+
+class Opaque:
+    def __str__(self) -> str:
+        return "<opaque 42>"
+
+
+def test_values_are_json_and_a_replay_reads_exactly_as_the_first_call() -> None:
+    store = InMemoryEffectStore()
+
+    @guarded(store)
+    def receipt() -> Receipt:
+        return Receipt(id="r1", lines=(3, 4))
+
+    @guarded(store)
+    def greet() -> str:
+        return "ok"
+
+    @guarded(store)
+    def nothing() -> None:
+        return None
+
+    texts = [openai.dispatch(chat(f"c-{n}-{i}", n, {}), [receipt, greet, nothing])["content"]
+             for n in ("receipt", "greet", "nothing") for i in (1, 1)]
+    assert texts == ['{"id":"r1","lines":[3,4]}'] * 2 + ['"ok"'] * 2 + ["null"] * 2
+    assert [e.kind for e in store.events("c-receipt-1")] == ["pending", "committed", "replayed"]
+
+
+def test_a_value_with_no_json_form_is_its_str_and_cannot_be_replayed() -> None:
+    store = InMemoryEffectStore()
+
+    @guarded(store)
+    def handle() -> Opaque:
+        return Opaque()
+
+    first = anthropic.dispatch(use("toolu_6", "handle", {}), [handle])
+    assert first == {"type": "tool_result", "tool_use_id": "toolu_6", "content": "<opaque 42>", "is_error": False}
+    again = anthropic.dispatch(use("toolu_6", "handle", {}), [handle])
+    assert again["is_error"] is True
+    assert json.loads(again["content"])["block_reason"] == "replay_value_unavailable"
+
+
+def test_adispatch_awaits_an_awaitable_a_def_tool_returns() -> None:
+    store = InMemoryEffectStore()
+
+    async def later() -> str:
+        return "sent"
+
+    @guarded(store)
+    def send() -> Any:
+        return later()
+
+    result = asyncio.run(anthropic.adispatch(use("toolu_7", "send", {}), [send]))
+    assert result["content"] == '"sent"' and result["is_error"] is False
+    # The guard saw a deferred result: the call's effect is in doubt, so it is not replayed.
+    assert [e.kind for e in store.events("toolu_7")] == ["pending", "unknown"]
+
+
+def test_simultaneous_deliveries_of_one_tool_call_run_it_once() -> None:
+    store = InMemoryEffectStore()
+    ran: list[int] = []
+    barrier = threading.Barrier(4)
+
+    @guarded(store)
+    def charge(cents: int) -> str:
+        ran.append(cents)
+        time.sleep(0.2)
+        return "charged"
+
+    results: list[dict[str, Any]] = []
+
+    def deliver() -> None:
+        barrier.wait()
+        results.append(openai.dispatch(chat("c-dup", "charge", {"cents": 5}), [charge]))
+
+    threads = [threading.Thread(target=deliver) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ran == [5]
+    contents = sorted(r["content"] for r in results)
+    assert contents.count('"charged"') == 1
+    assert all(json.loads(c)["block_reason"] == "effect_status_unknown" for c in contents if c != '"charged"')
+
+
+@reversibility("reversible")
+@guarded()
+def lookup(sku: str) -> int:
+    return len(sku)
+
+
+def test_the_adapters_import_and_dispatch_without_any_sdk_installed() -> None:
+    script = """
+import sys
+for name in ("openai", "anthropic", "mcp", "pydantic"):
+    sys.modules[name] = None  # an import of any of them now fails
+import guard.adapters
+from guard.adapters import anthropic, mcp, openai
+from tests.test_adapters_core import lookup
+print(openai.dispatch({"id": "c", "function": {"name": "lookup", "arguments": '{"sku": "abc"}'}}, [lookup])["content"])
+block = {"type": "tool_use", "id": "t", "name": "lookup", "input": {"sku": "ab"}}
+print(anthropic.dispatch(block, [lookup])["content"])
+"""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["3", "2"]
