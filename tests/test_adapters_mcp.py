@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator, ValidationError
-from mcp import Client
+from mcp import Client, MCPError
 from mcp.types import CallToolRequest, CallToolRequestParams, CallToolResult, TextContent
 from pydantic import BaseModel
 
@@ -220,3 +220,31 @@ def test_serve_refuses_tools_that_are_not_guarded() -> None:
 
     with pytest.raises(TypeError, match="not decorated with @Airlock"):
         adapter.serve([plain])
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+def test_a_call_the_client_gave_up_on_is_in_doubt_and_its_retry_is_refused(mode: str) -> None:
+    store = InMemoryEffectStore()
+    transfers: list[int] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)))
+    async def transfer(cents: int) -> str:
+        transfers.append(cents)  # the effect happens, then the response never comes back
+        await asyncio.sleep(30)
+        return "done"
+
+    async def scenario() -> CallToolResult:
+        async with Client(adapter.serve([transfer]), mode=mode) as client:  # type: ignore[arg-type]
+            with pytest.raises(MCPError, match=r"(?i)timed out"):
+                await client.call_tool("transfer", {"cents": 5}, read_timeout_seconds=0.3,
+                                       meta={"tool_call_id": "mcp-t"})
+            return await client.call_tool("transfer", {"cents": 5}, read_timeout_seconds=5,
+                                          meta={"tool_call_id": "mcp-t"})
+
+    retry = run(scenario)
+    assert retry.is_error is True
+    refusal = json.loads(text(retry))
+    assert refusal["block_reason"] == "effect_status_unknown"
+    assert refusal["metadata"]["status"] == "unknown"
+    assert transfers == [5]
+    assert [e.kind for e in store.events("mcp-t")] == ["pending", "unknown", "refused"]
