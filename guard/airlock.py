@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar, cast
 import orjson
 
 from .canonical import Binder, NotCanonical, canonical_bytes, key_from_canonical, to_json_value
-from .context import CallContext, active, enter_call, leave_call
+from .context import AirlockContext, CallContext, active, enter_call, leave_call
 from .effect_guard import EffectGuard, decide_attempt, reversibility_of
 from .oversight import OversightRequest, OversightResponse, OversightVerdict
 from .policy import SecurityPolicy, required_capabilities
@@ -101,12 +101,13 @@ class _Call:
         host = active()
         if host is None:
             self.agent_id, self.metadata, self.tool_call_id = None, {}, None
-        elif isinstance(host, CallContext):
-            # A guarded call made from inside a tool is not the model's call: it has no id of its own.
-            self.agent_id, self.tool_call_id = host.agent_id, None
-            self.metadata = {k: v for k, v in host.metadata.items() if k != "tool_call_id"}
-        else:
+        elif isinstance(host, AirlockContext) and not isinstance(host, CallContext):
             self.agent_id, self.metadata, self.tool_call_id = host.agent_id, host.metadata, host.tool_call_id
+        else:
+            # A guarded call made from inside a tool is not the model's call: it has no id of its own.
+            outer = host.call_context() if not isinstance(host, AirlockContext) else host
+            self.agent_id, self.tool_call_id = outer.agent_id, None
+            self.metadata = {k: v for k, v in outer.metadata.items() if k != "tool_call_id"}
         self.arguments: str | None = None
         self.key: str | None = None
         self.escalation: str | None = None
@@ -291,11 +292,16 @@ class _Call:
                 assert decision.record is not None and decision.record.value is not None
                 self.replay_value = orjson.loads(decision.record.value)
                 return None
-        self.context = CallContext(
-            self.agent_id, self.metadata, tool=self.tool.name, tool_call_id=self.tool_call_id,
-            idempotency_key=self.key,
-        )
         return None
+
+    def call_context(self) -> CallContext:
+        """The per-call copy of the host's context, made when the tool first asks for it."""
+        if self.context is None:
+            self.context = CallContext(
+                self.agent_id, self.metadata, tool=self.tool.name, tool_call_id=self.tool_call_id,
+                idempotency_key=self.key,
+            )
+        return self.context
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -401,7 +407,7 @@ class Airlock:
                     return self.blocked(refusal)
                 if call.verdict is Verdict.REPLAY:
                     return call.replay_value
-                token = enter_call(cast(CallContext, call.context))
+                token = enter_call(call)
                 try:
                     result = await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
                 except BaseException as e:
@@ -431,7 +437,7 @@ class Airlock:
                     return self.blocked(refusal)
                 if call.verdict is Verdict.REPLAY:
                     return call.replay_value
-                token = enter_call(cast(CallContext, call.context))
+                token = enter_call(call)
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as e:

@@ -5,11 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextvars import ContextVar, Token
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["AirlockContext", "CallContext", "get_current_context"]
 
-_current: ContextVar[AirlockContext | None] = ContextVar("airlock_context", default=None)
+class CallScope(Protocol):
+    """A guarded call in progress: it makes its :class:`CallContext` only when a tool asks for it."""
+
+    def call_context(self) -> CallContext: ...
+
+
+# Holds the host's AirlockContext, or during a guarded call the call's CallScope.
+_current: ContextVar[Any] = ContextVar("airlock_context", default=None)
 
 
 class AirlockContext:
@@ -24,7 +31,7 @@ class AirlockContext:
     def __init__(self, agent_id: str | None = None, metadata: Mapping[str, Any] | None = None) -> None:
         self.agent_id = agent_id
         self.metadata: dict[str, Any] = dict(metadata) if metadata else {}
-        self._tokens: list[Token[AirlockContext | None]] = []
+        self._tokens: list[Token[Any]] = []
 
     @property
     def tool_call_id(self) -> str | None:
@@ -99,16 +106,22 @@ class CallContext(AirlockContext):
 
 def get_current_context() -> AirlockContext | None:
     """The active context; inside a guarded call, that call's :class:`CallContext`."""
-    return _current.get()
+    current = _current.get()
+    if current is None or isinstance(current, AirlockContext):
+        return current
+    context: CallContext = current.call_context()
+    return context
 
 
-def active() -> AirlockContext | None:
-    return _current.get()
+def active() -> AirlockContext | CallScope | None:
+    """The host's context, or the guarded call in progress (a :class:`CallScope`), or None."""
+    current: AirlockContext | CallScope | None = _current.get()
+    return current
 
 
-def enter_call(ctx: CallContext) -> Token[AirlockContext | None]:
-    return _current.set(ctx)
+def enter_call(scope: CallScope) -> Token[Any]:
+    return _current.set(scope)
 
 
-def leave_call(token: Token[AirlockContext | None]) -> None:
+def leave_call(token: Token[Any]) -> None:
     _current.reset(token)
