@@ -14,6 +14,7 @@ it comes back the pool replaces its dead connections and the journal carries on.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +52,9 @@ T = TypeVar("T")
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 _BATCH = 1000
+# Pools inherited through fork are never used or closed in the child (closing one would end the
+# parent's sessions on the sockets they share); they are parked here instead.
+_INHERITED: list[object] = []
 _CALL_SELECT = f"SELECT {', '.join(CALL_COLUMNS)} FROM calls"
 _EVENT_SELECT = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events"
 _INSERT_EVENT = (
@@ -141,17 +145,23 @@ class PostgresJournal:
             self._open_schema(conn, create=create and not readonly)
         finally:
             conn.close()
-        self._pool: ConnectionPool[Conn] = ConnectionPool(
-            dsn,
+        self.pool_size = pool_size
+        self._pid = os.getpid()
+        self._pool = self._make_pool()
+
+    def _make_pool(self) -> ConnectionPool[Conn]:
+        pool: ConnectionPool[Conn] = ConnectionPool(
+            self.dsn,
             kwargs=self._connect_kwargs,
             min_size=1,
-            max_size=pool_size,
+            max_size=self.pool_size,
             configure=self._configure,
-            timeout=busy_timeout,
+            timeout=self.busy_timeout,
             name="airlock-journal",
             open=False,
         )
-        self._pool.open(wait=False)
+        pool.open(wait=False)
+        return pool
 
     # -- connections and errors ---------------------------------------------------------------
 
@@ -205,6 +215,12 @@ class PostgresJournal:
     def _getconn(self, doing: str) -> Conn:
         if self._closed:
             raise JournalError(f"cannot {doing}: the journal {self.name} is closed")
+        if os.getpid() != self._pid:
+            with self._lock:
+                if os.getpid() != self._pid:  # a forked child: a pool of its own
+                    _INHERITED.append(self._pool)
+                    self._pid = os.getpid()
+                    self._pool = self._make_pool()
         if self._suspect:
             self._probe(doing)
         deadline = time.monotonic() + self.busy_timeout
@@ -411,7 +427,8 @@ class PostgresJournal:
         since: datetime | None = None,
         limit: int | None = 50,
     ) -> list[CallRecord]:
-        """The calls, most recently updated first, filtered; at most ``limit`` (None: all)."""
+        """Calls newest first (by ``updated_at``, then ``call_id``), filtered by status, tool, agent and
+        ``updated_at >= since``; at most ``limit`` (None: all)."""
         where, params = [], []
         for column, value in (("status", status), ("tool", tool), ("agent_id", agent_id)):
             if value is not None:
@@ -421,10 +438,11 @@ class PostgresJournal:
             where.append("updated_at >= %s")
             params.append(format_at(since))
         sql = _CALL_SELECT + (" WHERE " + " AND ".join(where) if where else "")
-        sql += " ORDER BY updated_at DESC, last_seq DESC"
+        sql += " ORDER BY updated_at DESC, call_id"
         if limit is not None:
-            sql += " LIMIT %s"
-            params.append(str(int(limit)))
+            if limit < 0:
+                raise ValueError(f"limit is a number of calls, 0 or more, not {limit}")
+            sql += f" LIMIT {int(limit)}"
         return [self._decoded(record_from_row, r) for r in self._read("read the calls", sql, params)]
 
     @staticmethod
@@ -609,7 +627,8 @@ class PostgresJournal:
             if self._closed:
                 return
             self._closed = True
-        self._pool.close()
+        if os.getpid() == self._pid:
+            self._pool.close()
 
     def __enter__(self) -> PostgresJournal:
         return self
