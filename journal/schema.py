@@ -62,7 +62,6 @@ CREATE TABLE events (
     hash TEXT NOT NULL
 );
 CREATE INDEX events_call_id ON events (call_id, seq);
-CREATE INDEX events_at ON events (at);
 CREATE TRIGGER events_no_update BEFORE UPDATE ON events
 BEGIN
     SELECT RAISE(ABORT, 'the event log is append-only: an event cannot be changed');
@@ -88,9 +87,8 @@ CREATE TABLE calls (
     updated_at TEXT NOT NULL,
     since TEXT NOT NULL,
     last_seq INTEGER NOT NULL
-);
+) WITHOUT ROWID;
 CREATE INDEX calls_updated_at ON calls (updated_at DESC, call_id);
-CREATE INDEX calls_status ON calls (status, since);
 """
 
 

@@ -14,7 +14,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -63,6 +63,12 @@ _UPSERT_CALL = (
 )
 _SELECT_CALL = f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?"
 _SELECT_HEAD = "SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1"
+# The head of the log and the call's row in one round trip: the read of every write transaction.
+_SELECT_HEAD_AND_CALL = (
+    "SELECT (SELECT seq FROM events ORDER BY seq DESC LIMIT 1), (SELECT hash FROM events ORDER BY seq DESC LIMIT 1), "
+    + ", ".join(f"calls.{c}" for c in _CALL_COLUMNS.split(", "))
+    + " FROM (SELECT 1) LEFT JOIN calls ON calls.call_id = ?"
+)
 
 
 class _NeedsFull(Exception):
@@ -81,6 +87,19 @@ def _json_text(obj: Mapping[str, Any] | None) -> str | None:
         return orjson.dumps(obj if type(obj) is dict else dict(obj), option=_SORTED).decode()
     except TypeError:
         return canonical_bytes(dict(obj)).decode()
+
+
+def _at_text(at: datetime) -> str:
+    """``format_at(at)``, faster for the aware UTC datetimes the guard makes."""
+    if at.tzinfo is UTC and at.year >= 1000:
+        return at.isoformat(timespec="microseconds")[:-6] + "Z"
+    return format_at(at)
+
+
+def _parse(text: str) -> datetime:
+    """``parse_at(text)``, faster for the ``...Z`` texts the journal stores."""
+    at = datetime.fromisoformat(text)
+    return at if at.tzinfo is UTC else parse_at(text)
 
 
 def _plain(obj: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -105,27 +124,42 @@ def _record_of(row: tuple[Any, ...]) -> CallRecord:
     return CallRecord(
         call_id=row[0], tool=row[1], status=row[2], attempt=row[3], agent_id=row[4], idempotency_key=row[5],
         arguments=row[6], value=row[7], error=_loads(row[8]), reason=_loads(row[9]), actor=row[10],
-        owner=_loads(row[11]), created_at=parse_at(row[12]), updated_at=parse_at(row[13]),
-        since=parse_at(row[14]), last_seq=row[15],
+        owner=_loads(row[11]), created_at=_parse(row[12]), updated_at=_parse(row[13]),
+        since=_parse(row[14]), last_seq=row[15],
     )
+
+
+def _head_and_record(conn: sqlite3.Connection, call_id: str | None) -> tuple[tuple[int, str], CallRecord | None]:
+    """Inside a write transaction: the log's (seq, hash) head and the current record of ``call_id``."""
+    row = conn.execute(_SELECT_HEAD_AND_CALL, (call_id,)).fetchone()
+    head = (0, GENESIS) if row[0] is None else (row[0], row[1])
+    return head, None if row[2] is None else _record_of(row[2:])
 
 
 def _event_of(row: tuple[Any, ...]) -> JournalEvent:
     return JournalEvent(
-        seq=row[0], at=parse_at(row[1]), call_id=row[2], kind=row[3], tool=row[4], agent_id=row[5],
+        seq=row[0], at=_parse(row[1]), call_id=row[2], kind=row[3], tool=row[4], agent_id=row[5],
         idempotency_key=row[6], arguments=row[7], value=row[8], error=_loads(row[9]), reason=_loads(row[10]),
         actor=row[11], attempt=row[12], owner=_loads(row[13]), prev_hash=row[14], hash=row[15],
     )
 
 
-def _call_row(record: CallRecord, at: datetime, at_text: str) -> tuple[Any, ...]:
+def _call_row(record: CallRecord, known: dict[int, str | None] | None = None) -> tuple[Any, ...]:
+    """The projection row of ``record``; ``known`` maps id() of objects already turned into text
+    (the event's ``at``, ``error``, ``reason`` and ``owner``) to that text, so it is not redone."""
+    known = known or {}
+
+    def text(obj: Mapping[str, Any] | None) -> str | None:
+        return known[id(obj)] if id(obj) in known else _json_text(obj)
+
     def when(t: datetime) -> str:
-        return at_text if t is at else format_at(t)
+        done = known.get(id(t))
+        return done if done is not None else _at_text(t)
 
     return (
         record.call_id, record.tool, record.status, record.attempt, record.agent_id, record.idempotency_key,
-        record.arguments, record.value, _json_text(record.error), _json_text(record.reason), record.actor,
-        _json_text(record.owner), when(record.created_at), when(record.updated_at), when(record.since),
+        record.arguments, record.value, text(record.error), text(record.reason), record.actor,
+        text(record.owner), when(record.created_at), when(record.updated_at), when(record.since),
         record.last_seq,
     )
 
@@ -185,6 +219,7 @@ class SQLiteJournal:
         self._create = create
         self._lock = threading.RLock()
         self._sync: str | None = None
+        self._owner: tuple[object, str | None] = (object(), None)
         self._closed = False
         self._conn = self._open()
         self._pid = os.getpid()
@@ -274,27 +309,31 @@ class SQLiteJournal:
     def _retry(self, conn: sqlite3.Connection, step: Callable[[], T]) -> T:
         """Run ``step`` until it is not refused by a lock, within the busy deadline."""
         deadline = time.monotonic() + self.busy_timeout
-        shortened = False
+        waited = False
         try:
             while True:
                 try:
                     return step()
                 except sqlite3.Error as e:
-                    remaining = deadline - time.monotonic()
-                    if not _busy(e):
-                        raise JournalError(f"The journal {self.path} failed: {e}.") from e
-                    if remaining <= 0:
-                        raise StoreBusy(
-                            f"The journal {self.path} stayed locked by another writer for "
-                            f"{self.busy_timeout:g} s."
-                        ) from e
-                    # SQLite's own wait may have been cut short (a WAL being recovered): wait what is left.
-                    conn.execute(f"PRAGMA busy_timeout = {max(1, int(remaining * 1000))}")
-                    shortened = True
-                    time.sleep(min(0.001, remaining))
+                    waited = self._wait(conn, e, deadline)
         finally:
-            if shortened:
+            if waited:
                 conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+
+    def _wait(self, conn: sqlite3.Connection, e: sqlite3.Error, deadline: float) -> bool:
+        """After ``e``: raise it as a JournalError, or StoreBusy past the deadline, or wait a little
+        and return True (the connection's busy timeout is then shortened to what is left)."""
+        if not _busy(e):
+            raise JournalError(f"The journal {self.path} failed: {e}.") from e
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise StoreBusy(
+                f"The journal {self.path} stayed locked by another writer for {self.busy_timeout:g} s."
+            ) from e
+        # SQLite's own wait can be cut short (a WAL being recovered): wait only what is left.
+        conn.execute(f"PRAGMA busy_timeout = {max(1, int(remaining * 1000))}")
+        time.sleep(min(0.001, remaining))
+        return True
 
     def _transaction(self, conn: sqlite3.Connection, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction committed at ``sync``, retrying on locks.
@@ -303,26 +342,30 @@ class SQLiteJournal:
         """
         if self.readonly:
             raise JournalError(f"The journal {self.path} is open read-only.")
-        level = [sync]
-
-        def attempt() -> T:
-            if self._sync != level[0]:
-                conn.execute(f"PRAGMA synchronous = {level[0]}")
-                self._sync = level[0]
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                result = body(conn)
-                conn.execute("COMMIT")
-            except BaseException as e:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                if isinstance(e, _NeedsFull):
-                    level[0] = _FULL
-                    return attempt()
-                raise
-            return result
-
-        return self._retry(conn, attempt)
+        deadline = time.monotonic() + self.busy_timeout
+        waited = False
+        try:
+            while True:
+                try:
+                    if self._sync != sync:
+                        conn.execute(f"PRAGMA synchronous = {sync}")
+                        self._sync = sync
+                    conn.execute("BEGIN IMMEDIATE")
+                    try:
+                        result = body(conn)
+                        conn.execute("COMMIT")
+                        return result
+                    except BaseException:
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
+                        raise
+                except _NeedsFull:
+                    sync = _FULL
+                except sqlite3.Error as e:
+                    waited = self._wait(conn, e, deadline)
+        finally:
+            if waited:
+                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
 
     def _write(self, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
@@ -343,12 +386,11 @@ class SQLiteJournal:
         full = self.durability == "full"
 
         def step(conn: sqlite3.Connection) -> Decision:
-            row = conn.execute(_SELECT_CALL, (call_id,)).fetchone()
-            record = None if row is None else _record_of(row)
+            head, record = _head_and_record(conn, call_id)
             decision = decide(record)
             if full and self._sync != _FULL and decision.event.kind == "pending":
                 raise _NeedsFull
-            self._append(conn, decision.event, record)
+            self._append(conn, decision.event, record, head)
             return decision
 
         with self._lock:
@@ -366,11 +408,8 @@ class SQLiteJournal:
         sync = _FULL if event.kind == "pending" and self.durability == "full" else _NORMAL
 
         def step(conn: sqlite3.Connection) -> None:
-            record = None
-            if event.call_id is not None:
-                row = conn.execute(_SELECT_CALL, (event.call_id,)).fetchone()
-                record = None if row is None else _record_of(row)
-            self._append(conn, event, record)
+            head, record = _head_and_record(conn, event.call_id)
+            self._append(conn, event, record, head)
 
         self._write(sync, step)
 
@@ -379,13 +418,17 @@ class SQLiteJournal:
         row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
         return None if row is None else _record_of(row)
 
-    def _append(self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None) -> tuple[int, str, str]:
-        """Insert ``event`` after the head and fold it into the projection; returns (seq, prev, hash)."""
-        head = conn.execute(_SELECT_HEAD).fetchone()
-        seq, prev = (1, GENESIS) if head is None else (head[0] + 1, head[1])
-        at_text = format_at(event.at)
+    def _append(
+        self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None, head: tuple[int, str]
+    ) -> tuple[int, str, str]:
+        """Insert ``event`` after ``head`` and fold it into the projection; returns (seq, prev, hash)."""
+        seq, prev = head[0] + 1, head[1]
+        at_text = _at_text(event.at)
         error, reason, owner = _plain(event.error), _plain(event.reason), _plain(event.owner)
-        error_text, reason_text, owner_text = _json_text(error), _json_text(reason), _json_text(owner)
+        error_text, reason_text = _json_text(error), _json_text(reason)
+        if owner is not self._owner[0]:
+            self._owner = (owner, _json_text(owner))  # the guard hands every event one owner object
+        owner_text = self._owner[1]
         arguments, value = event.arguments, event.value
         digest = compute_hash(prev, {
             "seq": seq, "at": at_text, "call_id": event.call_id, "kind": event.kind, "tool": event.tool,
@@ -399,7 +442,10 @@ class SQLiteJournal:
         ))
         folded = apply(record, event, seq)
         if folded is not None and folded is not record:
-            conn.execute(_UPSERT_CALL, _call_row(folded, event.at, at_text))
+            conn.execute(_UPSERT_CALL, _call_row(folded, {
+                id(event.at): at_text, id(event.error): error_text, id(event.reason): reason_text,
+                id(event.owner): owner_text,
+            }))
         return seq, prev, digest
 
     # -- reads for operators -------------------------------------------------------------------
@@ -564,8 +610,7 @@ class SQLiteJournal:
             for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
                 fold_into(folded, self._decoded(_event_of, row))
             conn.execute("DELETE FROM calls")
-            conn.executemany(_UPSERT_CALL, (_call_row(r, r.updated_at, format_at(r.updated_at))
-                                            for r in folded.values()))
+            conn.executemany(_UPSERT_CALL, (_call_row(r) for r in folded.values()))
             return len(folded)
 
         return self._write(_FULL if self.durability == "full" else _NORMAL, step)
@@ -595,10 +640,9 @@ class SQLiteJournal:
         stored_value = _canonical_text(value, "value")
 
         def step(conn: sqlite3.Connection) -> JournalEvent:
-            row = conn.execute(_SELECT_CALL, (call_id,)).fetchone()
-            if row is None:
+            head, record = _head_and_record(conn, call_id)
+            if record is None:
                 raise CallNotFound(f"The journal {self.path} has no call {call_id!r}.")
-            record = _record_of(row)
             if record.status not in ("pending", "unknown"):
                 raise NotResolvable(
                     f"The call {call_id!r} in {self.path} is {record.status}; only a pending or unknown "
@@ -617,7 +661,7 @@ class SQLiteJournal:
                 reason={"code": "applied" if applied else "not_applied", "message": reason},
                 actor=f"operator:{operator}", attempt=record.attempt, owner=current_owner(),
             )
-            seq, prev, digest = self._append(conn, event, record)
+            seq, prev, digest = self._append(conn, event, record, head)
             return JournalEvent(
                 seq=seq, at=event.at, call_id=call_id, kind=event.kind, tool=event.tool,
                 agent_id=event.agent_id, idempotency_key=event.idempotency_key, arguments=event.arguments,

@@ -1,0 +1,128 @@
+"""How much a guarded call on SQLiteJournal costs against the raw transaction it cannot avoid.
+
+Prints, for durability "full" and "process": a guarded call with a fresh tool call id, and a
+replay, each against the floor measured in the same run on a file in the same directory (one raw
+BEGIN IMMEDIATE; INSERT; COMMIT at the same synchronous level), with the ratios and the targets.
+
+    python benchmarks/journal_bench.py [--dir DIR] [--calls N] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from guard import Airlock, AirlockContext, SecurityPolicy
+from guard.effect_guard import EffectGuard
+from journal import SQLiteJournal
+
+_ROW = ("2026-12-01T05:23:06.123456Z", "call-000000", "pending", "charge", "agent-1", "k" * 64,
+        '{"account":"acct-1","cents":500}', "guard", 1, '{"host":"bench","pid":1}', "0" * 64, "f" * 64)
+
+
+def floor(path: Path, synchronous: str) -> Callable[[int], float]:
+    """One raw transaction of an event-sized row: the least a durable append can cost."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute(f"PRAGMA synchronous = {synchronous}")
+    conn.execute("CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY, at, call_id, kind, tool, agent_id, "
+                 "idempotency_key, arguments, actor, attempt, owner, prev_hash, hash)")
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT INTO events (at, call_id, kind, tool, agent_id, idempotency_key, arguments, "
+                         "actor, attempt, owner, prev_hash, hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", _ROW)
+            conn.execute("COMMIT")
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
+def guarded_calls(path: Path, durability: str, replay: bool) -> Callable[[int], float]:
+    """Guarded calls of one tool: each with a fresh tool call id, or all replays of one call."""
+    journal = SQLiteJournal(path, durability=durability)  # type: ignore[arg-type]
+    policy = SecurityPolicy(effect_guard=EffectGuard(store=journal))
+
+    @Airlock(policy=policy)
+    def charge(account: str, cents: int) -> dict[str, Any]:
+        return {"charge_id": "ch_1", "cents": cents}
+
+    counter = [0]
+    with AirlockContext(agent_id="agent-1", metadata={"tool_call_id": "replayed-call"}):
+        charge("acct-1", 500)
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            if replay:
+                call_id = "replayed-call"
+            else:
+                counter[0] += 1
+                call_id = f"call-{counter[0]}"
+            with AirlockContext(agent_id="agent-1", metadata={"tool_call_id": call_id}):
+                charge("acct-1", 500)
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
+def measure(runs: dict[str, Callable[[int], float]], calls: dict[str, int], rounds: int) -> dict[str, float]:
+    """The median per-call time of each run, the runs interleaved round by round so that noise
+    from other work on the machine falls on all of them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for name, run in runs.items():
+        run(max(1, calls[name] // 10))  # warm up caches and the WAL
+    for _ in range(rounds):
+        for name, run in runs.items():
+            samples[name].append(run(calls[name]))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=None, help="where the files go (a real disk; default: a temp dir)")
+    parser.add_argument("--calls", type=int, default=400, help="calls per round for the unsynced runs")
+    parser.add_argument("--rounds", type=int, default=5)
+    options = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=options.dir, prefix="journal-bench-") as tmp:
+        d = Path(tmp)
+        n, n_sync = options.calls, max(20, options.calls // 10)
+        runs = {
+            "floor FULL": floor(d / "floor-full.db", "FULL"),
+            "floor NORMAL": floor(d / "floor-normal.db", "NORMAL"),
+            "fresh full": guarded_calls(d / "fresh-full.db", "full", replay=False),
+            "replay full": guarded_calls(d / "replay-full.db", "full", replay=True),
+            "fresh process": guarded_calls(d / "fresh-process.db", "process", replay=False),
+            "replay process": guarded_calls(d / "replay-process.db", "process", replay=True),
+        }
+        synced = {"floor FULL", "fresh full"}
+        t = measure(runs, {name: n_sync if name in synced else n for name in runs}, options.rounds)
+    print(f"files in {options.dir or tempfile.gettempdir()}; median of {options.rounds} rounds")
+    print(f"{'':34}{'per call':>12}{'ratio':>9}{'target':>9}")
+    rows = [
+        ("floor: raw txn, synchronous=FULL", "floor FULL", None, None),
+        ("floor: raw txn, synchronous=NORMAL", "floor NORMAL", None, None),
+        ("fresh call, durability=full", "fresh full", "floor FULL", 1.25),
+        ("replay, durability=full", "replay full", "floor NORMAL", 3.0),
+        ("fresh call, durability=process", "fresh process", "floor NORMAL", 2.5),
+        ("replay, durability=process", "replay process", "floor NORMAL", 3.0),
+    ]
+    for label, name, base, target in rows:
+        line = f"{label:34}{t[name] * 1e6:10.1f}us"
+        if base is not None and target is not None:
+            ratio = t[name] / t[base]
+            verdict = "ok" if ratio <= target else "MISSED"
+            line += f"{ratio:8.2f}x{target:8.2f}x  {verdict}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
