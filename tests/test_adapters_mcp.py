@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator, ValidationError
-from mcp import Client, MCPError
+from mcp import Client, MCPError, StdioServerParameters
 from mcp.types import CallToolRequest, CallToolRequestParams, CallToolResult, TextContent
 from pydantic import BaseModel
 
@@ -248,3 +250,60 @@ def test_a_call_the_client_gave_up_on_is_in_doubt_and_its_retry_is_refused(mode:
     assert refusal["metadata"]["status"] == "unknown"
     assert transfers == [5]
     assert [e.kind for e in store.events("mcp-t")] == ["pending", "unknown", "refused"]
+
+
+SERVER_SCRIPT = '''
+import sys
+
+import anyio
+from mcp.server.stdio import stdio_server
+
+from guard import Airlock, SecurityPolicy
+from guard.adapters.mcp import serve
+from guard.effect_guard import EffectGuard
+from journal import SQLiteJournal
+
+journal_path, effects_path = sys.argv[1], sys.argv[2]
+policy = SecurityPolicy(effect_guard=EffectGuard(store=SQLiteJournal(journal_path)))
+
+
+@Airlock(policy=policy)
+def ship(sku: str, quantity: int) -> dict:
+    with open(effects_path, "a") as effects:
+        effects.write(f"{sku} {quantity}\\n")
+    return {"sku": sku, "quantity": quantity}
+
+
+async def main() -> None:
+    server = serve([ship], name="warehouse")
+    async with stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())
+
+anyio.run(main)
+'''
+
+
+def test_a_retry_to_a_restarted_server_over_stdio_replays_from_the_journal(tmp_path: Path) -> None:
+    script, effects = tmp_path / "server.py", tmp_path / "effects.txt"
+    script.write_text(SERVER_SCRIPT)
+    params = StdioServerParameters(command=sys.executable, args=[str(script), str(tmp_path / "j.db"), str(effects)])
+
+    async def scenario() -> list[CallToolResult]:
+        results = []
+        for _ in range(2):  # each connection starts a new server process on the same journal file
+            async with Client(params) as client:
+                results.append(await client.call_tool("ship", {"sku": "Z-9", "quantity": 3},
+                                                      meta={"tool_call_id": "mcp-stdio-1"}))
+        return results
+
+    first, again = run(scenario)
+    assert first.is_error is False and again.is_error is False
+    assert text(again) == text(first) == '{"quantity":3,"sku":"Z-9"}'
+    assert effects.read_text() == "Z-9 3\n"
+    from journal import SQLiteJournal
+
+    journal = SQLiteJournal(tmp_path / "j.db")
+    try:
+        assert [e.kind for e in journal.events(call_id="mcp-stdio-1")] == ["pending", "committed", "replayed"]
+    finally:
+        journal.close()
