@@ -1,0 +1,268 @@
+"""Replicas on one PostgreSQL journal: separate processes with separate pools, racing one call id,
+killed in the middle of a tool, and running through a restart of the server.
+
+Effects are counted outside the journal, in a file each effect appends one line to (the way a
+payment provider's ledger would show them).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context, is_refusal
+from guard.effect_guard import EffectGuard
+from journal.postgres import PostgresJournal
+from tests.pgserver import PgServer
+
+pytestmark = pytest.mark.postgres
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def effects(path: Path) -> list[str]:
+    """The call ids of the effects that happened, one per effect."""
+    return path.read_text().split() if path.exists() else []
+
+
+def make_charge(journal: PostgresJournal, ledger: str, pause: float = 0.0) -> Any:
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(account: str, cents: int) -> dict[str, Any]:
+        context = get_current_context()
+        assert context is not None
+        with open(ledger, "a") as f:  # one short O_APPEND write per effect
+            f.write(f"{context.tool_call_id}\n")
+        if pause:
+            time.sleep(pause)
+        return {"charged": cents, "account": account}
+
+    return charge
+
+
+def outcome(result: Any) -> str:
+    return f"refused:{result['block_reason']}" if is_refusal(result) else "value"
+
+
+def _racing_replica(dsn: str, ledger: str, call_ids: list[str], barrier: Any, results: Any) -> None:
+    journal = PostgresJournal(dsn, pool_size=2)
+    charge = make_charge(journal, ledger, pause=0.002)
+    seen = []
+    for call_id in call_ids:
+        barrier.wait(timeout=60)
+        with AirlockContext(agent_id=f"replica-{os.getpid()}", metadata={"tool_call_id": call_id}):
+            seen.append((call_id, outcome(charge("acct-1", 500))))
+    journal.close()
+    results.put(seen)
+
+
+def test_two_replicas_racing_one_id_make_one_effect(pg_dsn: str, tmp_path: Path) -> None:
+    PostgresJournal(pg_dsn).close()  # the schema exists before the race starts
+    ledger = tmp_path / "ledger"
+    call_ids = [f"race-{n}" for n in range(40)]
+    barrier, results = SPAWN.Barrier(2), SPAWN.Queue()
+    replicas = [SPAWN.Process(target=_racing_replica, args=(pg_dsn, str(ledger), call_ids, barrier, results))
+                for _ in range(2)]
+    for p in replicas:
+        p.start()
+    seen = [results.get(timeout=120) for _ in replicas]
+    for p in replicas:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+
+    happened = effects(ledger)
+    assert sorted(happened) == sorted(call_ids)  # every id charged exactly once
+    with PostgresJournal(pg_dsn) as journal:
+        for n, call_id in enumerate(call_ids):
+            outcomes = sorted(s[n][1] for s in seen)
+            # One replica ran it; the other replayed the value or was refused while it ran.
+            assert outcomes in (["value", "value"], ["refused:effect_status_unknown", "value"]), outcomes
+            kinds = sorted(e.kind for e in journal.events(call_id=call_id))
+            assert kinds in (["committed", "pending", "replayed"], ["committed", "pending", "refused"])
+            assert journal.get(call_id).status == "committed"  # type: ignore[union-attr]
+        report = journal.verify()
+        assert report.ok and report.events == 3 * len(call_ids)
+
+
+def _hanging_replica(dsn: str, ledger: str, call_id: str) -> None:
+    journal = PostgresJournal(dsn)
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def transfer(to: str, cents: int) -> str:
+        with open(ledger, "a") as f:
+            f.write(f"{call_id}\n")
+        time.sleep(600)  # killed here, in the middle of the tool
+        return "done"
+
+    with AirlockContext(metadata={"tool_call_id": call_id}):
+        transfer("bob", 700)
+
+
+def _replaying_replica(dsn: str, ledger: str, call_id: str, results: Any) -> None:
+    journal = PostgresJournal(dsn)
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def transfer(to: str, cents: int) -> str:
+        with open(ledger, "a") as f:
+            f.write(f"{call_id}\n")
+        return "done"
+
+    with AirlockContext(metadata={"tool_call_id": call_id}):
+        results.put(dict(transfer("bob", 700)))
+    journal.close()
+
+
+def test_sigkill_in_the_middle_of_a_tool_leaves_it_pending_and_the_other_replica_refuses(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    PostgresJournal(pg_dsn).close()
+    ledger = tmp_path / "ledger"
+    victim = SPAWN.Process(target=_hanging_replica, args=(pg_dsn, str(ledger), "tx-1"))
+    victim.start()
+    deadline = time.monotonic() + 60
+    while not effects(ledger) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert effects(ledger) == ["tx-1"], "the tool never started"
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=30)
+    assert victim.exitcode == -signal.SIGKILL
+
+    results = SPAWN.Queue()
+    other = SPAWN.Process(target=_replaying_replica, args=(pg_dsn, str(ledger), "tx-1", results))
+    other.start()
+    refusal = results.get(timeout=60)
+    other.join(timeout=60)
+    assert refusal["block_reason"] == "effect_status_unknown"
+    assert refusal["metadata"]["status"] == "pending" and refusal["metadata"]["attempt"] == 1
+    assert effects(ledger) == ["tx-1"]  # not run again
+
+    with PostgresJournal(pg_dsn) as journal:
+        record = journal.get("tx-1")
+        assert record is not None and record.status == "pending"
+        assert record.owner is not None and record.owner["pid"] == victim.pid
+        assert [e.kind for e in journal.events(call_id="tx-1")] == ["pending", "refused"]
+        # The owner is dead, so an operator may settle it without --force.
+        journal.resolve("tx-1", applied=True, reason="the bank shows the transfer", operator="ops")
+        assert journal.verify().ok
+
+
+# -- a server restart in the middle of a run ----------------------------------------------------
+
+
+def test_a_restart_during_a_tool_and_the_outage_are_clear_and_lose_nothing(
+    pg_server: PgServer, pg_dsn: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not pg_server.managed:
+        pytest.skip("the tests do not restart an external server")
+    ledger = tmp_path / "ledger"
+    journal = PostgresJournal(pg_dsn, busy_timeout=20.0, connect_timeout=2.0)
+    server_stopped = False
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(account: str, cents: int) -> dict[str, int]:
+        nonlocal server_stopped
+        context = get_current_context()
+        assert context is not None
+        with open(ledger, "a") as f:
+            f.write(f"{context.tool_call_id}\n")
+        if context.tool_call_id == "c-2":
+            pg_server.stop("fast")  # the server goes away while the tool runs
+            server_stopped = True
+        return {"charged": cents}
+
+    def call(call_id: str) -> Any:
+        with AirlockContext(metadata={"tool_call_id": call_id}):
+            return charge("acct", 100)
+
+    try:
+        assert call("c-1") == {"charged": 100}
+        with caplog.at_level(logging.ERROR, logger="guard"):
+            assert call("c-2") == {"charged": 100}  # the caller still gets the value
+            assert server_stopped
+            started = time.monotonic()
+            refusal = call("c-3")
+            took = time.monotonic() - started
+        assert is_refusal(refusal) and refusal["block_reason"] == "store_unavailable"
+        assert "cannot be reached" in refusal["metadata"]["store_error"]
+        assert took < journal.busy_timeout  # refused at once, not after the busy deadline
+        logged = " ".join(r.getMessage() for r in caplog.records)
+        assert "could not record committed" in logged and "could not record pending" in logged
+    finally:
+        pg_server.start()
+
+    assert call("c-4") == {"charged": 100}  # the journal carries on once the server is back
+    replay = call("c-2")  # its outcome was lost with the server: pending, so refused, never re-run
+    assert is_refusal(replay) and replay["block_reason"] == "effect_status_unknown"
+    assert call("c-1") == {"charged": 100}  # a replay of the stored value
+    assert effects(ledger) == ["c-1", "c-2", "c-4"]  # c-3 never ran, nothing ran twice
+    assert {c: journal.get(c).status for c in ("c-1", "c-2", "c-4")} == {  # type: ignore[union-attr]
+        "c-1": "committed", "c-2": "pending", "c-4": "committed"}
+    assert journal.get("c-3") is None
+    report = journal.verify()
+    assert report.ok and report.events == journal.count_events()
+    journal.close()
+
+
+def _steady_replica(dsn: str, ledger: str, prefix: str, seconds: float, results: Any) -> None:
+    logging.disable(logging.CRITICAL)  # the outage is expected; its log lines are not the point
+    journal = PostgresJournal(dsn, busy_timeout=20.0, connect_timeout=2.0, pool_size=2)
+    charge = make_charge(journal, ledger)
+    seen = []
+    deadline = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < deadline:
+        n += 1
+        call_id = f"{prefix}-{n}"
+        with AirlockContext(metadata={"tool_call_id": call_id}):
+            result = charge("acct", n)
+        seen.append((call_id, outcome(result), time.monotonic()))
+        if is_refusal(result):
+            time.sleep(0.02)
+    journal.close()
+    results.put(seen)
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_replicas_through_a_server_restart_lose_and_double_nothing(
+    pg_server: PgServer, pg_dsn: str, tmp_path: Path, mode: str
+) -> None:
+    if not pg_server.managed:
+        pytest.skip("the tests do not restart an external server")
+    PostgresJournal(pg_dsn).close()
+    ledger = tmp_path / "ledger"
+    results = SPAWN.Queue()
+    replicas = [SPAWN.Process(target=_steady_replica, args=(pg_dsn, str(ledger), f"r{k}", 6.0, results))
+                for k in range(2)]
+    for p in replicas:
+        p.start()
+    time.sleep(2.0)
+    pg_server.restart(mode, down_for=1.0)  # "immediate" is a crash: recovery replays the WAL
+    restarted_at = time.monotonic()
+    seen = [call for _ in replicas for call in results.get(timeout=120)]
+    for p in replicas:
+        p.join(timeout=60)
+
+    happened = effects(ledger)
+    assert len(happened) == len(set(happened)), "an effect happened twice"
+    with PostgresJournal(pg_dsn) as journal:
+        for call_id, result, _at in seen:
+            kinds = [e.kind for e in journal.events(call_id=call_id)]
+            if result == "value":
+                # It ran once; its pending was durable before it ran and survived the restart.
+                assert happened.count(call_id) == 1 and kinds[:1] == ["pending"], (call_id, kinds)
+            else:
+                assert result == "refused:store_unavailable", (call_id, result)
+                assert call_id not in happened and "committed" not in kinds
+        for call_id in happened:
+            assert journal.get(call_id) is not None, f"{call_id} ran but its pending was lost"
+        assert any(r == "refused:store_unavailable" for _, r, _ in seen), "the outage was not noticed"
+        assert any(r == "value" and at > restarted_at for _, r, at in seen), "no call succeeded after"
+        report = journal.verify()
+        assert report.ok and report.events == journal.count_events()
