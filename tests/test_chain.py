@@ -1,0 +1,198 @@
+"""The hash chain: the byte rule a third party can recompute, and offline checks of exported lines."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from guard.store import EffectEvent, parse_at
+from journal import SQLiteJournal
+from journal.chain import GENESIS, compute_hash, event_body, verify_lines
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Any:
+    with SQLiteJournal(tmp_path / "j.db", durability="process") as j:
+        yield j
+
+
+def fill(journal: SQLiteJournal) -> None:
+    at = parse_at("2026-12-01T05:23:06.000001Z")
+    owner = {"host": "h1", "pid": 7}
+    common: dict[str, Any] = {"tool": "charge", "agent_id": "a1", "idempotency_key": "k" * 64,
+                              "arguments": '{"account":"acct","cents":5}', "owner": owner, "at": at}
+    journal.append(EffectEvent(kind="pending", call_id="c1", attempt=1, **common))
+    journal.append(EffectEvent(kind="committed", call_id="c1", attempt=1, value='{"id":"ch_1"}', **common))
+    journal.append(EffectEvent(kind="refused", call_id=None, attempt=0,
+                               reason={"code": "tool_call_id_required", "message": "no id"}, **common))
+    journal.append(EffectEvent(kind="pending", call_id="c2", attempt=1, **common))
+    journal.append(EffectEvent(kind="unknown", call_id="c2", attempt=1,
+                               error={"type": "TimeoutError", "message": "slow"}, **common))
+
+
+def exported(journal: SQLiteJournal, redact: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    # Through JSON text and back, as a file would carry them.
+    return [orjson.loads(orjson.dumps(e.export(redact))) for e in journal.events()]
+
+
+def test_first_hash_is_the_documented_byte_rule(journal: SQLiteJournal) -> None:
+    fill(journal)
+    first = next(iter(journal.events()))
+    body = (
+        b'{"actor":"guard","agent_id":"a1","arguments_sha256":"'
+        + hashlib.sha256(b'{"account":"acct","cents":5}').hexdigest().encode()
+        + b'","at":"2026-12-01T05:23:06.000001Z","attempt":1,"call_id":"c1","error":null,'
+        b'"idempotency_key":"' + b"k" * 64 + b'","kind":"pending","owner":{"host":"h1","pid":7},'
+        b'"reason":null,"seq":1,"tool":"charge","value_sha256":null}'
+    )
+    assert first.prev_hash == GENESIS == "0" * 64
+    assert first.hash == hashlib.sha256(b"0" * 64 + body).hexdigest()
+
+
+def test_each_event_links_to_the_one_before(journal: SQLiteJournal) -> None:
+    fill(journal)
+    events = list(journal.events())
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5]
+    for before, after in itertools.pairwise(events):
+        assert after.prev_hash == before.hash
+    assert journal.head() == (5, events[-1].hash)
+
+
+def test_compute_hash_matches_event_body(journal: SQLiteJournal) -> None:
+    fill(journal)
+    committed = list(journal.events())[1]
+    body = event_body(
+        seq=2, at="2026-12-01T05:23:06.000001Z", call_id="c1", kind="committed", tool="charge", agent_id="a1",
+        idempotency_key="k" * 64, arguments_sha256=hashlib.sha256(b'{"account":"acct","cents":5}').hexdigest(),
+        value_sha256=hashlib.sha256(b'{"id":"ch_1"}').hexdigest(), error=None, reason=None, actor="guard",
+        attempt=1, owner={"pid": 7, "host": "h1"},
+    )
+    assert compute_hash(committed.prev_hash, body) == committed.hash
+
+
+def test_export_line_has_every_field_as_json_values(journal: SQLiteJournal) -> None:
+    fill(journal)
+    line = exported(journal)[1]
+    assert set(line) == {
+        "seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments", "arguments_sha256",
+        "value", "value_sha256", "error", "reason", "actor", "attempt", "owner", "prev_hash", "hash", "redacted",
+    }
+    assert line["arguments"] == {"account": "acct", "cents": 5}
+    assert line["value"] == {"id": "ch_1"}
+    assert line["at"] == "2026-12-01T05:23:06.000001Z"
+    assert line["owner"] == {"host": "h1", "pid": 7}
+    assert line["redacted"] == []
+
+
+def test_export_verifies_offline(journal: SQLiteJournal) -> None:
+    fill(journal)
+    report = verify_lines(exported(journal))
+    assert (report.ok, report.events, report.head, report.first_bad_seq) == (True, 5, journal.head()[1], None)
+
+
+def test_redacted_export_still_verifies(journal: SQLiteJournal) -> None:
+    fill(journal)
+    lines = exported(journal, frozenset({"arguments", "value"}))
+    assert lines[1]["arguments"] is None and lines[1]["value"] is None
+    assert lines[1]["redacted"] == ["arguments", "value"]
+    assert lines[1]["value_sha256"] == hashlib.sha256(b'{"id":"ch_1"}').hexdigest()
+    assert verify_lines(lines).ok
+
+
+def test_redacting_a_field_inside_the_hash_is_refused(journal: SQLiteJournal) -> None:
+    fill(journal)
+    event = next(iter(journal.events()))
+    with pytest.raises(ValueError, match="cannot redact owner"):
+        event.export(frozenset({"owner"}))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tool", "refund"), ("attempt", 2), ("at", "2026-12-01T05:23:07.000001Z"), ("owner", {"host": "h2", "pid": 7}),
+     ("value", {"id": "ch_2"}), ("arguments", {"account": "acct", "cents": 500})],
+)
+def test_an_altered_line_is_found(journal: SQLiteJournal, field: str, value: Any) -> None:
+    fill(journal)
+    lines = exported(journal)
+    lines[1][field] = value
+    report = verify_lines(lines)
+    assert (report.ok, report.first_bad_seq, report.events) == (False, 2, 1)
+    assert "seq 2" in str(report.problem)
+
+
+def test_an_altered_digest_of_a_redacted_field_is_found(journal: SQLiteJournal) -> None:
+    fill(journal)
+    lines = exported(journal, frozenset({"value"}))
+    lines[1]["value_sha256"] = hashlib.sha256(b'{"id":"ch_2"}').hexdigest()
+    assert verify_lines(lines).first_bad_seq == 2
+
+
+def test_a_rehashed_line_breaks_the_next_link(journal: SQLiteJournal) -> None:
+    fill(journal)
+    lines = exported(journal)
+    forged = copy.deepcopy(lines[1])
+    forged["tool"] = "refund"
+    body = {k: forged[k] for k in ("seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key",
+                                   "arguments_sha256", "value_sha256", "error", "reason", "actor", "attempt", "owner")}
+    forged["hash"] = compute_hash(forged["prev_hash"], body)
+    lines[1] = forged
+    report = verify_lines(lines)
+    assert (report.ok, report.first_bad_seq) == (False, 3)
+    assert "link" in str(report.problem)
+
+
+def test_a_gap_is_an_error_unless_allowed(journal: SQLiteJournal) -> None:
+    fill(journal)
+    lines = exported(journal)
+    del lines[2]
+    report = verify_lines(lines)
+    assert (report.ok, report.first_bad_seq) == (False, 4)
+    assert "missing" in str(report.problem)
+    allowed = verify_lines(lines, allow_gaps=True)
+    assert (allowed.ok, allowed.events) == (True, 4)
+
+
+def test_a_filtered_export_verifies_with_gaps_allowed(journal: SQLiteJournal) -> None:
+    fill(journal)
+    lines = [orjson.loads(orjson.dumps(e.export())) for e in journal.events(call_id="c2")]
+    assert [line["seq"] for line in lines] == [4, 5]
+    assert not verify_lines(lines).ok  # seq 1 to 3 are missing
+    assert verify_lines(lines, allow_gaps=True).ok
+
+
+def test_a_gap_still_checks_links_after_it(journal: SQLiteJournal) -> None:
+    fill(journal)
+    lines = exported(journal)
+    del lines[2]
+    lines[3]["prev_hash"] = GENESIS
+    assert verify_lines(lines, allow_gaps=True).first_bad_seq == 5
+
+
+def test_reordered_lines_are_found(journal: SQLiteJournal) -> None:
+    fill(journal)
+    lines = exported(journal)
+    lines[1], lines[2] = lines[2], lines[1]
+    report = verify_lines(lines, allow_gaps=True)
+    assert (report.ok, report.first_bad_seq) == (False, 2)
+
+
+def test_malformed_lines_are_reported_not_raised(journal: SQLiteJournal) -> None:
+    fill(journal)
+    lines = exported(journal)
+    del lines[0]["owner"]
+    report = verify_lines(lines)
+    assert (report.ok, report.first_bad_seq) == (False, 1)
+    assert "owner" in str(report.problem)
+    no_seq = verify_lines([{"kind": "pending"}])
+    assert not no_seq.ok and no_seq.first_bad_seq is None and "line 1" in str(no_seq.problem)
+
+
+def test_empty_stream_verifies_to_genesis() -> None:
+    report = verify_lines([])
+    assert (report.ok, report.events, report.head) == (True, 0, GENESIS)
