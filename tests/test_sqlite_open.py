@@ -1,0 +1,235 @@
+"""Opening a journal: what is created, what is refused, and that a refused file is left byte-for-byte unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sqlite3
+import stat
+from pathlib import Path
+
+import pytest
+
+from guard.store import EffectEvent
+from journal import (
+    JournalError,
+    JournalNotFound,
+    NewerSchema,
+    NotAJournal,
+    SQLiteJournal,
+    open_journal,
+)
+from journal.schema import APPLICATION_ID, LATEST
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def pending(call_id: str = "c1") -> EffectEvent:
+    return EffectEvent(kind="pending", call_id=call_id, tool="charge", attempt=1, arguments='{"cents":5}')
+
+
+def make_journal(path: Path) -> None:
+    with SQLiteJournal(path, durability="process") as j:
+        j.append(pending())
+
+
+def foreign_sqlite(path: Path, *, rows: bool) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE events (id INTEGER PRIMARY KEY, name TEXT)")
+    if rows:
+        conn.execute("INSERT INTO events (name) VALUES ('x')")
+    conn.commit()
+    conn.close()
+
+
+# -- what a new journal is ---------------------------------------------------------------------
+
+
+def test_new_journal_file_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    with SQLiteJournal(path) as j:
+        j.append(pending())
+        for name in ("j.db", "j.db-wal", "j.db-shm"):
+            assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600, name
+
+
+def test_new_journal_has_the_schema_version_and_marker(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    SQLiteJournal(path).close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone() == (LATEST,)
+    assert conn.execute("PRAGMA application_id").fetchone() == (APPLICATION_ID,)
+    assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"events", "calls", "meta"} <= tables
+    columns = [r[1] for r in conn.execute("PRAGMA table_info(events)")]
+    assert columns == ["seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments",
+                       "value", "error", "reason", "actor", "attempt", "owner", "prev_hash", "hash"]
+    conn.close()
+
+
+def test_reopening_keeps_every_event(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    make_journal(path)
+    with SQLiteJournal(path) as j:
+        assert j.get("c1") is not None
+        assert j.head()[0] == 1
+        assert j.verify().ok
+
+
+def test_a_blank_file_becomes_a_journal(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    path.touch()
+    with SQLiteJournal(path) as j:
+        j.append(pending())
+        assert j.verify().ok
+
+
+def test_create_false_refuses_a_missing_journal(tmp_path: Path) -> None:
+    with pytest.raises(JournalNotFound, match=r"j\.db"):
+        SQLiteJournal(tmp_path / "j.db", create=False)
+    assert listing(tmp_path) == []
+
+
+# -- read-only opens ---------------------------------------------------------------------------
+
+
+def test_readonly_open_of_a_missing_journal_creates_nothing(tmp_path: Path) -> None:
+    with pytest.raises(JournalNotFound, match=r"There is no journal at .*j\.db"):
+        SQLiteJournal(tmp_path / "j.db", readonly=True)
+    with pytest.raises(JournalNotFound):
+        open_journal(str(tmp_path / "j.db"), readonly=True)
+    assert listing(tmp_path) == []
+
+
+def test_readonly_open_reads_and_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    make_journal(path)
+    before = digest(path)
+    with SQLiteJournal(path, readonly=True) as j:
+        assert j.get("c1") is not None
+        assert [e.kind for e in j.events()] == ["pending"]
+        assert j.verify().ok
+        assert j.stats().calls == 1
+        with pytest.raises(JournalError, match="read-only"):
+            j.append(pending("c2"))
+        with pytest.raises(JournalError, match="read-only"):
+            j.rebuild()
+    assert digest(path) == before
+    with SQLiteJournal(path, readonly=True) as j:
+        assert j.head()[0] == 1
+
+
+def test_readonly_blank_file_is_not_a_journal(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    path.touch()
+    with pytest.raises(NotAJournal):
+        SQLiteJournal(path, readonly=True)
+    assert path.read_bytes() == b""
+
+
+# -- foreign and newer files ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_garbage_bytes_are_not_a_journal(tmp_path: Path, readonly: bool) -> None:
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"these are my notes\n" * 100)
+    before = digest(path)
+    with pytest.raises(NotAJournal, match=r"notes\.db is not a SQLite database"):
+        SQLiteJournal(path, readonly=readonly)
+    assert digest(path) == before
+    assert listing(tmp_path) == ["notes.db"]
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_corrupt_sqlite_file_is_not_a_journal(tmp_path: Path, readonly: bool) -> None:
+    path = tmp_path / "j.db"
+    path.write_bytes(b"SQLite format 3\x00" + os.urandom(4000))
+    before = digest(path)
+    with pytest.raises(NotAJournal):
+        SQLiteJournal(path, readonly=readonly)
+    assert digest(path) == before
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["empty", "with-rows"])
+@pytest.mark.parametrize("readonly", [False, True])
+def test_another_applications_sqlite_db_is_not_a_journal(tmp_path: Path, rows: bool, readonly: bool) -> None:
+    path = tmp_path / "app.db"
+    foreign_sqlite(path, rows=rows)
+    before = digest(path)
+    with pytest.raises(NotAJournal, match=r"app\.db is a SQLite database of another application"):
+        SQLiteJournal(path, readonly=readonly)
+    assert digest(path) == before
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+    conn.close()
+
+
+def test_a_foreign_db_with_only_a_user_version_is_not_a_journal(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version = 3")
+    conn.close()
+    before = digest(path)
+    with pytest.raises(NotAJournal):
+        SQLiteJournal(path)
+    assert digest(path) == before
+
+
+@pytest.mark.parametrize("readonly", [False, True])
+def test_a_newer_schema_is_refused_unchanged(tmp_path: Path, readonly: bool) -> None:
+    path = tmp_path / "j.db"
+    make_journal(path)
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {LATEST + 1}")
+    conn.execute("PRAGMA journal_mode = DELETE")  # fold the WAL in, so the one file is all of it
+    conn.close()
+    before = digest(path)
+    with pytest.raises(NewerSchema, match=f"schema version {LATEST + 1}"):
+        SQLiteJournal(path, readonly=readonly)
+    assert digest(path) == before
+
+
+def test_a_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(JournalError, match=re.escape(str(tmp_path))):
+        SQLiteJournal(tmp_path)
+
+
+# -- options -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("durability", ["fast", "", None])
+def test_bad_durability_is_refused_before_anything_is_created(tmp_path: Path, durability: object) -> None:
+    with pytest.raises(ValueError, match="durability"):
+        SQLiteJournal(tmp_path / "j.db", durability=durability)  # type: ignore[arg-type]
+    assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("timeout", [0, -1, "5", True])
+def test_bad_busy_timeout_is_refused(tmp_path: Path, timeout: object) -> None:
+    with pytest.raises(ValueError, match="busy_timeout"):
+        SQLiteJournal(tmp_path / "j.db", busy_timeout=timeout)  # type: ignore[arg-type]
+    assert listing(tmp_path) == []
+
+
+def test_open_journal_gives_a_sqlite_journal_for_a_path(tmp_path: Path) -> None:
+    with open_journal(str(tmp_path / "j.db"), durability="process") as j:
+        assert isinstance(j, SQLiteJournal)
+        assert j.durability == "process"
+        assert j.path == tmp_path / "j.db"
+
+
+def test_a_closed_journal_says_so(tmp_path: Path) -> None:
+    j = SQLiteJournal(tmp_path / "j.db")
+    j.close()
+    j.close()
+    with pytest.raises(JournalError, match="closed"):
+        j.get("c1")
