@@ -190,9 +190,10 @@ def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
             tool, f"are not a JSON object of named arguments (got {_json_kind(arguments)})",
         )
     kwargs = dict(arguments)
-    parameters = inspect.signature(tool.fn).parameters
+    signature = inspect.signature(tool.fn)
+    parameters = signature.parameters
     try:
-        inspect.signature(tool.fn).bind(**kwargs)
+        signature.bind(**kwargs)
     except TypeError as e:
         return _refuse_arguments(
             tool, f"do not fit its signature ({e})",
