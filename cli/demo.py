@@ -73,8 +73,10 @@ def demo(db: str) -> None:
 
     Example:
 
+    \b
         airlock demo
 
+    \b
         airlock journal show --db airlock-demo.db
     """
     colour = render.use_colour()

@@ -36,6 +36,7 @@ def journal() -> None:
 
     Example:
 
+    \b
         airlock journal show --status unknown
     """
 
@@ -91,8 +92,10 @@ def show(
 
     Example:
 
+    \b
         airlock journal show --status unknown --since 2h
 
+    \b
         airlock journal show call_7Qx2 --json
     """
     if call_id is not None:
@@ -201,8 +204,10 @@ def resolve(
 
     Example:
 
+    \b
         airlock journal resolve call_7Qx2 --applied --value '{"charge_id": "ch_1"}' --reason "ledger shows ch_1"
 
+    \b
         airlock journal resolve call_7Qx2 --not-applied --reason "no charge with this key"
     """
     if applied == not_applied:
@@ -262,8 +267,10 @@ def export(
 
     Example:
 
+    \b
         airlock journal export --since 2026-12-01 --redact arguments,value -o audit.jsonl
 
+    \b
         airlock journal export --format csv --tool charge > charges.csv
     """
     redact = redact or frozenset()
@@ -318,8 +325,10 @@ def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -
 
     Example:
 
+    \b
         airlock journal verify
 
+    \b
         airlock journal verify --export audit.jsonl --allow-gaps
     """
     if allow_gaps and export_file is None:
@@ -364,6 +373,7 @@ def rebuild(db: str) -> None:
 
     Example:
 
+    \b
         airlock journal rebuild --db /var/lib/agent/airlock-journal.db
     """
     with open_journal(db, create=False) as j:
@@ -385,6 +395,7 @@ def stats(as_json: bool, db: str) -> None:
 
     Example:
 
+    \b
         airlock journal stats --json
     """
     with open_journal(db, readonly=True, create=False) as j:
