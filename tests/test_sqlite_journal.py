@@ -1,0 +1,461 @@
+"""SQLiteJournal beyond the store contract: operator reads, resolve, the append-only log, verify,
+rebuild, the busy deadline and sharing one object between threads."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
+from guard.canonical import canonical_json
+from guard.effect_guard import EffectGuard, idempotency_key
+from guard.store import EffectEvent, current_owner, parse_at
+from journal import CallNotFound, JournalError, NotResolvable, SQLiteJournal, StoreBusy
+
+T0 = parse_at("2026-12-01T05:00:00.000000Z")
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Any:
+    with SQLiteJournal(tmp_path / "j.db", durability="process") as j:
+        yield j
+
+
+def event(kind: str, call_id: str | None, *, minute: int = 0, attempt: int = 1, tool: str = "charge",
+          agent_id: str | None = "a1", owner: dict[str, Any] | None = None, **fields: Any) -> EffectEvent:
+    return EffectEvent(
+        kind=kind, call_id=call_id, tool=tool, at=T0 + timedelta(minutes=minute), agent_id=agent_id,
+        idempotency_key="k" * 64, arguments='{"cents":5}', attempt=attempt,
+        owner=owner if owner is not None else {"host": "elsewhere", "pid": 1}, **fields,
+    )
+
+
+def raw(journal: SQLiteJournal) -> sqlite3.Connection:
+    """A separate connection to the same file, as a tamperer would open it."""
+    return sqlite3.connect(journal.path, isolation_level=None)
+
+
+def guarded(journal: SQLiteJournal, runs: list[str]) -> Any:
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(account: str, cents: int) -> dict[str, Any]:
+        runs.append(account)
+        return {"charged": cents}
+
+    return charge
+
+
+def call(tool: Any, call_id: str, *args: Any) -> Any:
+    with AirlockContext(agent_id="a1", metadata={"tool_call_id": call_id}):
+        return tool(*args)
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+# -- reads -------------------------------------------------------------------------------------
+
+
+def test_calls_are_newest_first_and_filtered(journal: SQLiteJournal) -> None:
+    journal.append(event("pending", "c1", minute=1))
+    journal.append(event("pending", "c2", minute=2, tool="refund", agent_id="a2"))
+    journal.append(event("pending", "c3", minute=3))
+    journal.append(event("committed", "c1", minute=4, value='{"ok":true}'))
+    journal.append(event("refused", "c9", minute=5, reason={"code": "policy_violation", "message": "no"}))
+    assert [c.call_id for c in journal.calls()] == ["c1", "c3", "c2"]
+    assert [c.call_id for c in journal.calls(status="pending")] == ["c3", "c2"]
+    assert [c.call_id for c in journal.calls(tool="refund")] == ["c2"]
+    assert [c.call_id for c in journal.calls(agent_id="a1")] == ["c1", "c3"]
+    assert [c.call_id for c in journal.calls(since=T0 + timedelta(minutes=3))] == ["c1", "c3"]
+    assert [c.call_id for c in journal.calls(limit=1)] == ["c1"]
+    assert len(journal.calls(limit=None)) == 3
+    assert journal.call("c1") == journal.get("c1")
+    assert journal.call("c9") is None
+    with pytest.raises(ValueError, match="limit"):
+        journal.calls(limit=-1)
+
+
+def test_call_events_include_refusals(journal: SQLiteJournal) -> None:
+    journal.append(event("pending", "c1"))
+    journal.append(event("pending", "c2"))
+    journal.append(event("refused", "c1", reason={"code": "effect_status_unknown", "message": "wait"}))
+    journal.append(event("refused", "c9", reason={"code": "policy_violation", "message": "no"}))
+    assert [(e.seq, e.kind) for e in journal.call_events("c1")] == [(1, "pending"), (3, "refused")]
+    assert [e.kind for e in journal.call_events("c9")] == ["refused"]
+    assert journal.call_events("nope") == []
+
+
+def test_events_stream_in_batches_and_filter(journal: SQLiteJournal) -> None:
+    for n in range(2500):
+        kind = "pending" if n % 2 == 0 else "refused"
+        journal.append(event(kind, f"c{n}", minute=n, tool="charge" if n < 2000 else "refund",
+                             reason=None if kind == "pending" else {"code": "policy_violation", "message": "no"}))
+    assert [e.seq for e in journal.events()] == list(range(1, 2501))
+    assert journal.count_events() == 2500
+    assert [e.seq for e in journal.events(after_seq=2490)] == list(range(2491, 2501))
+    assert journal.count_events(tool="refund") == 500
+    assert sum(1 for _ in journal.events(tool="refund")) == 500
+    window = list(journal.events(since=T0 + timedelta(minutes=10), until=T0 + timedelta(minutes=20)))
+    assert [e.seq for e in window] == list(range(11, 21))
+    assert journal.count_events(since=T0 + timedelta(minutes=10), until=T0 + timedelta(minutes=20)) == 10
+    assert [e.seq for e in journal.events(call_id="c7")] == [8]
+    assert journal.count_events(agent_id="nobody") == 0
+
+
+def test_events_of_a_long_log_are_not_loaded_whole(journal: SQLiteJournal) -> None:
+    for n in range(1500):
+        journal.append(event("pending", f"c{n}"))
+    stream = journal.events()
+    first = next(stream)
+    journal.append(event("pending", "late"))  # a writer between batches is not blocked by the reader
+    rest = list(stream)
+    assert first.seq == 1 and rest[-1].call_id == "late" and len(rest) == 1500
+
+
+def test_head_and_stats(journal: SQLiteJournal) -> None:
+    assert journal.head() == (0, "0" * 64)
+    empty = journal.stats()
+    assert (empty.calls, empty.events, empty.by_status, empty.oldest_pending_at) == (0, 0, {}, None)
+    journal.append(event("pending", "c1", minute=1))
+    journal.append(event("pending", "c2", minute=2, tool="refund"))
+    journal.append(event("pending", "c3", minute=3))
+    journal.append(event("unknown", "c3", minute=4, error={"type": "TimeoutError", "message": "slow"}))
+    journal.append(event("pending", "c4", minute=5))
+    journal.append(event("committed", "c4", minute=6, value="1"))
+    journal.append(event("refused", None, minute=7, reason={"code": "policy_violation", "message": "no"}))
+    stats = journal.stats()
+    assert (stats.calls, stats.events) == (4, 7)
+    assert stats.by_status == {"pending": 2, "unknown": 1, "committed": 1}
+    assert stats.by_tool == {"charge": 3, "refund": 1}
+    assert stats.oldest_pending_at == T0 + timedelta(minutes=1)
+    assert stats.oldest_unknown_at == T0 + timedelta(minutes=4)
+    assert journal.head()[0] == 7
+
+
+def test_events_round_trip_every_field(journal: SQLiteJournal) -> None:
+    journal.append(event("unknown", "c1", error={"type": "TimeoutError", "message": "slow"}, actor="guard"))
+    [e] = list(journal.events())
+    assert (e.kind, e.call_id, e.tool, e.agent_id, e.attempt, e.actor) == ("unknown", "c1", "charge", "a1", 1, "guard")
+    assert e.at == T0 and e.error == {"type": "TimeoutError", "message": "slow"}
+    assert e.owner == {"host": "elsewhere", "pid": 1}
+    effect = e.to_effect_event()
+    assert (effect.seq, effect.kind, effect.error, effect.at) == (1, "unknown", e.error, T0)
+
+
+# -- resolve -----------------------------------------------------------------------------------
+
+
+def left_pending(journal: SQLiteJournal, call_id: str, account: str, cents: int, pid: int | None = None) -> None:
+    """A call of ``charge(account, cents)`` left pending by a process that is gone."""
+    arguments = {"account": account, "cents": cents}
+    journal.append(EffectEvent(
+        kind="pending", call_id=call_id, tool="charge", attempt=1, agent_id="a1",
+        idempotency_key=idempotency_key("charge", arguments), arguments=canonical_json(arguments),
+        owner={"host": current_owner()["host"], "pid": pid if pid is not None else dead_pid()},
+    ))
+
+
+def test_resolve_applied_with_a_value_is_replayed(journal: SQLiteJournal) -> None:
+    runs: list[str] = []
+    tool = guarded(journal, runs)
+    left_pending(journal, "r1", "x", 1)
+    assert call(tool, "r1", "x", 1)["block_reason"] == "effect_status_unknown"
+    resolved = journal.resolve("r1", applied=True, reason="the bank shows ch_1", operator="ana",
+                               value='{ "charged" : 1 }')
+    assert (resolved.kind, resolved.actor, resolved.attempt) == ("committed", "operator:ana", 1)
+    assert resolved.value == '{"charged":1}'
+    assert resolved.reason == {"code": "applied", "message": "the bank shows ch_1"}
+    assert resolved.seq == journal.head()[0] and resolved.hash == journal.head()[1]
+    assert journal.get("r1").status == "committed"
+    assert call(tool, "r1", "x", 1) == {"charged": 1}
+    assert runs == []
+    assert journal.verify().ok
+
+
+def test_resolve_applied_without_a_value_is_never_rerun(journal: SQLiteJournal) -> None:
+    runs: list[str] = []
+    tool = guarded(journal, runs)
+    left_pending(journal, "r1", "x", 1)
+    journal.resolve("r1", applied=True, reason="seen in the ledger", operator="ana")
+    record = journal.get("r1")
+    assert (record.status, record.value) == ("committed", None)
+    assert call(tool, "r1", "x", 1)["block_reason"] == "replay_value_unavailable"
+    assert runs == []
+
+
+def test_resolve_not_applied_lets_the_call_run_again(journal: SQLiteJournal) -> None:
+    runs: list[str] = []
+    tool = guarded(journal, runs)
+    left_pending(journal, "r3", "y", 2)
+    released = journal.resolve("r3", applied=False, reason="the bank has no such charge", operator="bo")
+    assert (released.kind, released.actor) == ("released", "operator:bo")
+    assert released.reason == {"code": "not_applied", "message": "the bank has no such charge"}
+    assert call(tool, "r3", "y", 2) == {"charged": 2}
+    assert journal.get("r3").attempt == 2
+    assert runs == ["y"]
+
+
+def test_resolve_refuses_a_pending_call_whose_owner_is_alive(journal: SQLiteJournal) -> None:
+    journal.append(event("pending", "p1", owner=dict(current_owner())))
+    head = journal.head()
+    with pytest.raises(NotResolvable, match=r"pid \d+\) is alive.*--force"):
+        journal.resolve("p1", applied=False, reason="r", operator="ana")
+    assert journal.head() == head
+    forced = journal.resolve("p1", applied=False, reason="r", operator="ana", force=True)
+    assert forced.kind == "released"
+
+
+def test_resolve_of_a_pending_call_whose_owner_died(journal: SQLiteJournal) -> None:
+    left_pending(journal, "p1", "x", 1)
+    assert journal.resolve("p1", applied=True, reason="r", operator="ana").kind == "committed"
+
+
+@pytest.mark.parametrize("status", ["committed", "released"])
+def test_resolve_refuses_a_settled_call(journal: SQLiteJournal, status: str) -> None:
+    journal.append(event("pending", "s1"))
+    journal.append(event(status, "s1", value="1" if status == "committed" else None))
+    head = journal.head()
+    with pytest.raises(NotResolvable, match=f"is {status}"):
+        journal.resolve("s1", applied=True, reason="r", operator="ana")
+    assert journal.head() == head
+
+
+def test_resolve_of_an_unknown_id_or_refusals_only(journal: SQLiteJournal) -> None:
+    journal.append(event("refused", "only-refused", reason={"code": "policy_violation", "message": "no"}))
+    for call_id in ("nope", "only-refused"):
+        with pytest.raises(CallNotFound, match=call_id):
+            journal.resolve(call_id, applied=False, reason="r", operator="ana")
+    assert journal.head()[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"applied": True, "value": "{not json"}, "not valid JSON"),
+     ({"applied": True, "value": "NaN"}, "not valid JSON"),
+     ({"applied": False, "value": "1"}, "value can only be given"),
+     ({"applied": True, "operator": ""}, "operator")],
+)
+def test_resolve_bad_input_changes_nothing(journal: SQLiteJournal, options: dict[str, Any], message: str) -> None:
+    journal.append(event("pending", "u1"))
+    journal.append(event("unknown", "u1", error={"type": "TimeoutError", "message": "slow"}))
+    head = journal.head()
+    kwargs: dict[str, Any] = {"reason": "r", "operator": "ana", **options}
+    with pytest.raises(ValueError, match=message):
+        journal.resolve("u1", **kwargs)
+    assert journal.head() == head
+    assert journal.get("u1").status == "unknown"
+
+
+def test_resolve_uses_the_current_attempt(journal: SQLiteJournal) -> None:
+    journal.append(event("pending", "a1"))
+    journal.append(event("released", "a1", error={"type": "ValueError", "message": "bad"}))
+    journal.append(event("pending", "a1", attempt=2))
+    journal.append(event("unknown", "a1", attempt=2, error={"type": "TimeoutError", "message": "slow"}))
+    assert journal.resolve("a1", applied=True, reason="r", operator="ana").attempt == 2
+
+
+# -- the append-only log, verify and rebuild ---------------------------------------------------
+
+
+def test_the_database_refuses_to_change_or_delete_an_event(journal: SQLiteJournal) -> None:
+    journal.append(event("pending", "c1"))
+    conn = raw(journal)
+    with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        conn.execute("UPDATE events SET tool = 'refund' WHERE seq = 1")
+    with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        conn.execute("DELETE FROM events")
+    conn.close()
+    assert [e.tool for e in journal.events()] == ["charge"]
+
+
+def test_the_database_refuses_an_unknown_kind(journal: SQLiteJournal) -> None:
+    with pytest.raises(JournalError, match="CHECK"):
+        journal.append(event("deleted", "c1"))
+    assert journal.head()[0] == 0
+
+
+def fill(journal: SQLiteJournal) -> None:
+    journal.append(event("pending", "c1", minute=1))
+    journal.append(event("committed", "c1", minute=2, value='{"id":1}'))
+    journal.append(event("pending", "c2", minute=3))
+    journal.append(event("unknown", "c2", minute=4, error={"type": "TimeoutError", "message": "slow"}))
+    journal.append(event("replayed", "c1", minute=5))
+
+
+def test_verify_of_an_intact_journal(journal: SQLiteJournal) -> None:
+    assert journal.verify().ok
+    fill(journal)
+    report = journal.verify()
+    assert (report.ok, report.events, report.head, report.first_bad_seq) == (True, 5, journal.head()[1], None)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    ["UPDATE events SET value = '{\"id\":2}' WHERE seq = 2",
+     "UPDATE events SET at = '2026-12-01T05:02:00.000001Z' WHERE seq = 2",
+     "UPDATE events SET attempt = 2 WHERE seq = 2",
+     "UPDATE events SET error = '{broken' WHERE seq = 2",
+     "UPDATE events SET prev_hash = hash WHERE seq = 2"],
+)
+def test_verify_finds_a_tampered_event(journal: SQLiteJournal, tamper: str) -> None:
+    fill(journal)
+    conn = raw(journal)
+    conn.execute("DROP TRIGGER events_no_update")
+    conn.execute(tamper)
+    conn.close()
+    report = journal.verify()
+    assert (report.ok, report.first_bad_seq) == (False, 2)
+    assert "seq 2" in str(report.problem)
+
+
+def test_verify_finds_a_deleted_event(journal: SQLiteJournal) -> None:
+    fill(journal)
+    conn = raw(journal)
+    conn.execute("DROP TRIGGER events_no_delete")
+    conn.execute("DELETE FROM events WHERE seq = 3")
+    conn.close()
+    report = journal.verify()
+    assert (report.ok, report.first_bad_seq, report.events) == (False, 4, 2)
+
+
+def test_verify_finds_a_projection_that_differs_and_rebuild_repairs_it(journal: SQLiteJournal) -> None:
+    fill(journal)
+    conn = raw(journal)
+    conn.execute("UPDATE calls SET status = 'released', value = NULL WHERE call_id = 'c1'")
+    conn.close()
+    report = journal.verify()
+    assert not report.ok and "c1" in str(report.problem) and "rebuild" in str(report.problem)
+    assert journal.rebuild() == 2
+    assert journal.verify().ok
+    assert (journal.get("c1").status, journal.get("c1").value) == ("committed", '{"id":1}')
+
+
+def test_verify_finds_a_missing_or_extra_projection_row(journal: SQLiteJournal) -> None:
+    fill(journal)
+    conn = raw(journal)
+    conn.execute("DELETE FROM calls WHERE call_id = 'c2'")
+    conn.close()
+    assert "lacks call 'c2'" in str(journal.verify().problem)
+    journal.rebuild()
+    conn = raw(journal)
+    conn.execute("INSERT INTO calls SELECT 'ghost', tool, status, attempt, agent_id, idempotency_key, arguments, "
+                 "value, error, reason, actor, owner, created_at, updated_at, since, last_seq FROM calls LIMIT 1")
+    conn.close()
+    assert "ghost" in str(journal.verify().problem)
+    assert journal.rebuild() == 2
+    assert journal.get("ghost") is None
+    assert journal.verify().ok
+
+
+def test_rebuild_of_a_projection_wiped_out(journal: SQLiteJournal) -> None:
+    fill(journal)
+    before = {c.call_id: c for c in journal.calls(limit=None)}
+    conn = raw(journal)
+    conn.execute("DELETE FROM calls")
+    conn.close()
+    assert journal.calls() == []
+    assert journal.rebuild() == 2
+    assert {c.call_id: c for c in journal.calls(limit=None)} == before
+
+
+def test_full_export_of_a_real_journal_verifies_offline(journal: SQLiteJournal) -> None:
+    from journal.chain import verify_lines
+
+    runs: list[str] = []
+    tool = guarded(journal, runs)
+    for n in range(5):
+        call(tool, f"e{n}", "acct", n)
+        call(tool, f"e{n}", "acct", n)
+    lines = [orjson.loads(orjson.dumps(e.export())) for e in journal.events()]
+    assert verify_lines(lines).head == journal.verify().head == journal.head()[1]
+
+
+# -- the busy deadline and threads ------------------------------------------------------------
+
+
+def hold_write_lock(path: Path, seconds: float, locked: threading.Event) -> threading.Thread:
+    def hold() -> None:
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        locked.set()
+        time.sleep(seconds)
+        conn.execute("COMMIT")
+        conn.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    return thread
+
+
+def test_past_the_busy_deadline_begin_raises_store_busy_and_the_tool_does_not_run(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", busy_timeout=0.3)
+    runs: list[str] = []
+    tool = guarded(journal, runs)
+    locked = threading.Event()
+    holder = hold_write_lock(journal.path, 1.5, locked)
+    locked.wait()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreBusy, match="locked"):
+            journal.begin("b1", lambda record: pytest.fail("decided without the lock"))
+        assert time.monotonic() - started >= 0.25
+        refusal = call(tool, "b1", "acct", 1)
+        assert is_refusal(refusal) and refusal["block_reason"] == "store_unavailable"
+        assert runs == []
+    finally:
+        holder.join()
+    assert call(tool, "b1", "acct", 1) == {"charged": 1}
+    journal.close()
+
+
+def test_contention_within_the_deadline_is_waited_out(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", busy_timeout=10)
+    runs: list[str] = []
+    tool = guarded(journal, runs)
+    locked = threading.Event()
+    holder = hold_write_lock(journal.path, 0.4, locked)
+    locked.wait()
+    assert call(tool, "w1", "acct", 1) == {"charged": 1}
+    holder.join()
+    assert runs == ["acct"]
+    journal.close()
+
+
+def test_one_journal_shared_by_threads(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process")
+    runs: list[str] = []
+    tool = guarded(journal, runs)
+    barrier = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        barrier.wait()
+        try:
+            for n in range(25):
+                assert call(tool, f"t{worker}-{n}", f"w{worker}", n) == {"charged": n}
+                assert journal.get(f"t{worker}-{n}").status == "committed"
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert len(runs) == 200
+    assert journal.head()[0] == 400
+    assert journal.stats().by_status == {"committed": 200}
+    assert journal.verify().ok
+    journal.close()
