@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from guard import Airlock, SecurityPolicy
+from guard import Airlock, SecurityPolicy, requires
 from guard.adapters import anthropic, openai
 from guard.effect_guard import EffectGuard, InMemoryEffectStore, reversibility
 
@@ -153,6 +153,30 @@ def test_bad_arguments_are_refused_under_on_block_raise_too() -> None:
     assert result["is_error"] is True
     assert json.loads(result["content"])["block_reason"] == "arguments_not_canonical"
     assert [e.kind for e in store.events("toolu_4")] == ["refused"]
+
+
+def test_the_policy_refuses_before_the_arguments_are_looked_at() -> None:
+    store = InMemoryEffectStore()
+    policy = SecurityPolicy(denied_tools=["drop_table"], effect_guard=EffectGuard(store=store))
+
+    @Airlock(policy=policy)
+    def drop_table(name: str) -> str:
+        return name
+
+    @requires("payments:write")
+    @Airlock(policy=policy)
+    def refund(cents: int) -> int:
+        return cents
+
+    denied = json.loads(openai.dispatch({"id": "c7", "function": {"name": "drop_table", "arguments": "{oops"}},
+                                        [drop_table])["content"])
+    assert denied["block_reason"] == "policy_violation" and denied["metadata"]["violation_type"] == "tool_denied"
+    lacking = json.loads(anthropic.dispatch(use("toolu_8", "refund", {"euros": 1}), [refund])["content"])
+    assert lacking["block_reason"] == "capability_denied"
+    assert lacking["metadata"]["missing_capabilities"] == ["payments:write"]
+    assert [(e.call_id, e.reason["code"]) for e in store.events() if e.reason] == [
+        ("c7", "policy_violation"), ("toolu_8", "capability_denied"),
+    ]
 
 
 def test_an_exception_is_an_error_result_released_so_the_retry_runs(caplog: pytest.LogCaptureFixture) -> None:

@@ -18,6 +18,7 @@ import orjson
 from ..airlock import Airlock
 from ..canonical import to_json_value
 from ..context import AirlockContext, get_current_context
+from ..policy import required_capabilities
 from ..refusal import AirlockBlocked, Refusal, is_refusal, make_refusal
 from ..store import EffectEvent, EffectStore
 
@@ -167,12 +168,32 @@ def _unknown_tool(table: Mapping[str, _Guarded], name: str, call_id: str | None,
     return _refused(refusal)
 
 
+def _policy_refusal(tool: _Guarded) -> tuple[str, str, dict[str, Any]] | None:
+    """The refusal of gate 1 or 2, which come before the arguments are looked at (SPEC 2.4)."""
+    name = tool.guarded.__name__
+    policy = tool.airlock.policy
+    violation = policy.violation(name)
+    if violation is not None:
+        how = "denied" if violation == "tool_denied" else "not allowed"
+        return ("policy_violation", f"The tool {name!r} is {how} by this agent's policy; it was not run.",
+                {"violation_type": violation})
+    missing = policy.missing_capabilities(required_capabilities(tool.guarded))
+    if missing:
+        return ("capability_denied",
+                f"The tool {name!r} needs the capabilities {', '.join(missing)}, which this agent has not "
+                "been granted; it was not run.", {"missing_capabilities": missing})
+    return None
+
+
 def _refuse_arguments(tool: _Guarded, problem: str, **details: Any) -> Outcome:
-    error = f"The arguments to {tool.name!r} {problem}; it was not run."
+    refusal_of_policy = _policy_refusal(tool)
+    if refusal_of_policy is not None:
+        code, error, details = refusal_of_policy
+    else:
+        code, error = "arguments_not_canonical", f"The arguments to {tool.name!r} {problem}; it was not run."
+        details = {"violation_type": "arguments_invalid", **details}
     try:
-        refusal = tool.airlock.refuse(
-            tool.guarded, "arguments_not_canonical", error, violation_type="arguments_invalid", **details,
-        )
+        refusal = tool.airlock.refuse(tool.guarded, code, error, **details)
     except AirlockBlocked as blocked:
         refusal = blocked.refusal
     return _refused(refusal)
