@@ -11,18 +11,20 @@ from typing import Any, Literal, TypeVar, cast
 
 import orjson
 
-from .canonical import Binder, NotCanonical, canonical_bytes, key_from_canonical, to_json_value
+from .canonical import Binder, NotCanonical, canonical_bytes, key_from_canonical, key_prefix, to_json_value
 from .context import AirlockContext, CallContext, active, enter_call, leave_call
 from .effect_guard import EffectGuard, decide_attempt, reversibility_of
 from .oversight import OversightRequest, OversightResponse, OversightVerdict
 from .policy import SecurityPolicy, required_capabilities
 from .refusal import AirlockBlocked, Refusal, make_refusal
-from .store import GUARD_ACTOR, EffectEvent, Verdict, current_owner, utc_now
+from .store import GUARD_ACTOR, CallRecord, Decision, EffectEvent, Verdict, current_owner, utc_now
 
 __all__ = ["Airlock", "airlock_of"]
 
 log = logging.getLogger("guard")
 F = TypeVar("F", bound=Callable[..., Any])
+# An enum member costs a class attribute lookup each time on Python 3.11; the hot path keeps them.
+_RUN, _REPLAY, _REFUSE = Verdict.RUN, Verdict.REPLAY, Verdict.REFUSE
 
 _HINTS: dict[str, tuple[str, ...]] = {
     "policy_violation": (
@@ -73,10 +75,11 @@ _PLAIN = frozenset({dict, list, str, int, float, bool, type(None), tuple, bytes}
 class _Tool:
     """What the pipeline knows of one decorated function, read at its first call."""
 
-    __slots__ = ("binder", "capabilities", "irreversible", "name", "reversible")
+    __slots__ = ("binder", "capabilities", "irreversible", "key_prefix", "name", "reversible")
 
     def __init__(self, fn: Callable[..., Any], wrapper: Callable[..., Any]) -> None:
         self.name: str = fn.__name__
+        self.key_prefix = key_prefix(self.name)
         self.binder = Binder(fn)
         tag = reversibility_of(wrapper)
         self.reversible = tag == "reversible"
@@ -174,7 +177,7 @@ class _Call:
         else:
             try:
                 arguments = canonical_bytes(bound)
-                self.key = key_from_canonical(name, arguments)
+                self.key = key_from_canonical(tool.key_prefix, arguments)
                 self.arguments = arguments.decode()
             except NotCanonical as e:
                 bind_error = f"an argument has no JSON form ({e})"
@@ -264,20 +267,10 @@ class _Call:
         """The effect guard's atomic begin; sets ``verdict`` (None when the call runs unguarded)."""
         eg, call_id = self.eg, self.tool_call_id
         if eg is not None and call_id is not None:
-            assert self.key is not None and self.arguments is not None
-            name, key, arguments, agent_id = self.tool.name, self.key, self.arguments, self.agent_id
-            reversible, approval = self.tool.reversible, self.approval
-
-            def decide(record: Any) -> Any:
-                return decide_attempt(
-                    record, call_id=call_id, tool=name, key=key, arguments=arguments, agent_id=agent_id,
-                    reversible=reversible, approval=approval,
-                )
-
             try:
-                decision = eg.store.begin(call_id, decide)
+                decision = eg.store.begin(call_id, self.decide)
             except Exception as e:
-                log.error("store could not record pending for %s (tool_call_id=%s): %r", name, call_id, e)
+                log.error("store could not record pending for %s (tool_call_id=%s): %r", self.tool.name, call_id, e)
                 return self.refuse(
                     "store_unavailable",
                     "The effect journal could not record this call, so it was not run; try again later.",
@@ -286,13 +279,22 @@ class _Call:
                 )
             self.verdict = decision.verdict
             self.attempt = decision.attempt
-            if decision.verdict is Verdict.REFUSE:
+            if decision.verdict is _REFUSE:
                 return self.refuse(str(decision.code), str(decision.message), journal=False, **decision.details)
-            if decision.verdict is Verdict.REPLAY:
+            if decision.verdict is _REPLAY:
                 assert decision.record is not None and decision.record.value is not None
                 self.replay_value = orjson.loads(decision.record.value)
                 return None
         return None
+
+    def decide(self, record: CallRecord | None) -> Decision:
+        """The replay table's decision for this call, given the store's record of its id."""
+        assert self.tool_call_id is not None and self.key is not None and self.arguments is not None
+        tool = self.tool
+        return decide_attempt(
+            record, self.tool_call_id, tool.name, self.key, self.arguments, self.agent_id, tool.reversible,
+            self.approval,
+        )
 
     def call_context(self) -> CallContext:
         """The per-call copy of the host's context, made when the tool first asks for it."""
@@ -313,7 +315,7 @@ class _Call:
         ))
 
     def returned(self, result: Any) -> None:
-        if self.verdict is not Verdict.RUN:
+        if self.verdict is not _RUN:
             return
         if _is_deferred(result):
             self.outcome("unknown", error={
@@ -331,7 +333,7 @@ class _Call:
             self.outcome("committed", value=value)
 
     def raised(self, exc: BaseException) -> None:
-        if self.verdict is not Verdict.RUN:
+        if self.verdict is not _RUN:
             return
         error = {"type": type(exc).__name__, "message": str(exc)}
         eg = self.eg
@@ -405,7 +407,7 @@ class Airlock:
                     refusal = call.begin()
                 if refusal is not None:
                     return self.blocked(refusal)
-                if call.verdict is Verdict.REPLAY:
+                if call.verdict is _REPLAY:
                     return call.replay_value
                 token = enter_call(call)
                 try:
@@ -435,7 +437,7 @@ class Airlock:
                     refusal = call.begin()
                 if refusal is not None:
                     return self.blocked(refusal)
-                if call.verdict is Verdict.REPLAY:
+                if call.verdict is _REPLAY:
                     return call.replay_value
                 token = enter_call(call)
                 try:

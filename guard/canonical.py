@@ -24,6 +24,7 @@ __all__ = [
     "canonical_json",
     "idempotency_key",
     "key_from_canonical",
+    "key_prefix",
     "to_json_value",
 ]
 
@@ -61,9 +62,13 @@ def _has_nonfinite(obj: Any) -> bool:
 def canonical_bytes(obj: Any) -> bytes:
     """The canonical JSON bytes of ``obj``, or :class:`NotCanonical`."""
     try:
-        out = orjson.dumps(obj, default=_default, option=_OPTIONS)
-    except (TypeError, orjson.JSONEncodeError) as e:
-        raise NotCanonical(str(e)) from e
+        # Plain JSON types need no ``default``, and orjson is faster without one.
+        out = orjson.dumps(obj, option=_OPTIONS)
+    except orjson.JSONEncodeError:
+        try:
+            out = orjson.dumps(obj, default=_default, option=_OPTIONS)
+        except (TypeError, orjson.JSONEncodeError) as e:
+            raise NotCanonical(str(e)) from e
     if b"null" in out and _has_nonfinite(obj):
         raise NotCanonical("NaN and infinities have no JSON form")
     return out
@@ -82,8 +87,16 @@ def to_json_value(obj: Any) -> str | None:
         return None
 
 
-def key_from_canonical(tool: str, arguments_json: bytes) -> str:
-    return hashlib.sha256(b"%s\x00%s" % (tool.encode(), arguments_json)).hexdigest()
+def key_prefix(tool: str) -> bytes:
+    """The bytes the key of every call to ``tool`` starts with: its name and a NUL."""
+    return tool.encode() + b"\x00"
+
+
+def key_from_canonical(tool: str | bytes, arguments_json: bytes) -> str:
+    """The idempotency key of ``tool`` (a name, or its :func:`key_prefix`) called with these
+    canonical arguments."""
+    prefix = tool if isinstance(tool, bytes) else key_prefix(tool)
+    return hashlib.sha256(prefix + arguments_json).hexdigest()
 
 
 def idempotency_key(tool: str, arguments: Mapping[str, Any]) -> str:
@@ -121,6 +134,10 @@ class Binder:
         Raises ``TypeError`` when they do not fit the signature, as the call itself would.
         """
         names = self._names
+        if self._simple and not kwargs and len(args) == len(names) == self._n_positional:
+            # The commonest call: every argument by position (the lengths are equal; strict= costs).
+            bound = dict(zip(names, args))  # noqa: B905
+            return bound, bound.keys()
         if self._simple and len(args) <= self._n_positional and kwargs.keys() <= self._nameset:
             bound = dict(zip(names, args, strict=False))
             if not kwargs or not bound.keys() & kwargs.keys():

@@ -35,6 +35,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 Reversibility = Literal["reversible", "costly", "irreversible"]
 _RANK = {"reversible": 0, "costly": 1, "irreversible": 2}
 _REVERSIBILITY_ATTR = "__airlock_reversibility__"
+# An enum member costs a class attribute lookup each time on Python 3.11; the hot path keeps them.
+_RUN, _REPLAY, _REFUSE = Verdict.RUN, Verdict.REPLAY, Verdict.REFUSE
 
 
 class EffectOutcomeUnknown(Exception):
@@ -120,7 +122,6 @@ class EffectGuard:
 
 def decide_attempt(
     record: CallRecord | None,
-    *,
     call_id: str,
     tool: str,
     key: str,
@@ -135,7 +136,7 @@ def decide_attempt(
     (REPLAY) or ``refused`` (REFUSE). ``approval`` is the approver's grant, kept on ``pending``.
     """
     if record is None:
-        return Decision(Verdict.RUN, EffectEvent(
+        return Decision(_RUN, EffectEvent(
             "pending", call_id, tool, utc_now(), agent_id, key, arguments, None, None, approval, GUARD_ACTOR, 1,
             current_owner(),
         ))
@@ -157,12 +158,12 @@ def decide_attempt(
                 "returned; it will not be run again.",
                 status=status, idempotency_key=key, attempt=record.attempt,
             )
-        return Decision(Verdict.REPLAY, EffectEvent(
+        return Decision(_REPLAY, EffectEvent(
             "replayed", call_id, tool, utc_now(), agent_id, key, arguments, None, None, None, GUARD_ACTOR,
             record.attempt, current_owner(),
         ), record)
     if status == "released" or reversible:
-        return Decision(Verdict.RUN, EffectEvent(
+        return Decision(_RUN, EffectEvent(
             "pending", call_id, tool, utc_now(), agent_id, key, arguments, None, None, approval, GUARD_ACTOR,
             record.attempt + 1, current_owner(),
         ), record)
@@ -183,4 +184,4 @@ def _refuse(
         "refused", call_id, tool, utc_now(), agent_id, key, arguments, None, None,
         {"code": code, "message": message}, GUARD_ACTOR, record.attempt, current_owner(),
     )
-    return Decision(Verdict.REFUSE, event, record, code, message, details)
+    return Decision(_REFUSE, event, record, code, message, details)
