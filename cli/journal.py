@@ -22,7 +22,7 @@ from journal.events import REDACTABLE
 
 from . import render
 from .export import NotJsonLines, read_export, write_events
-from .options import MOMENT, FieldList, Group, db_option, json_option
+from .options import MOMENT, FieldList, Group, db_option, describe, json_option
 
 STATUSES = ("pending", "committed", "unknown", "released")
 
@@ -130,7 +130,7 @@ def _show_call(call_id: str, as_json: bool, db: str) -> None:
         record = j.call(call_id)
         events = j.call_events(call_id)
     if record is None and not events:
-        raise click.ClickException(f"no call {call_id!r} in the journal {db}")
+        raise click.ClickException(f"no call {call_id!r} in the journal {describe(db)}")
     if as_json:
         shown = render.call_json(record) if record is not None else render.unprojected_call_json(call_id, events)
         shown["events"] = [e.export() for e in events]
@@ -345,7 +345,7 @@ def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -
     else:
         with open_journal(db, readonly=True, create=False) as j:
             report = j.verify()
-        source = db
+        source = describe(db)
     if as_json:
         _stdout().write(render.dumps_line({
             "ok": report.ok, "events": report.events, "head": report.head,

@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import click
 
@@ -32,6 +33,23 @@ class Group(click.Group):
             raise click.ClickException(f"{e} Name the journal with --db or {DB_ENVVAR}.") from e
         except JournalError as e:
             raise click.ClickException(str(e) or type(e).__name__) from e
+
+
+def describe(target: str) -> str:
+    """The journal ``target`` for a message: a URL without its password."""
+    if "://" not in target:
+        return target
+    try:
+        parts = urlsplit(target)
+    except ValueError:
+        return target.split("://", 1)[0] + "://..."
+    if parts.password is None:
+        return target
+    host = parts.hostname or ""
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def db_option(fn: F) -> F:

@@ -87,7 +87,13 @@ class Tools:
 
 
 def seed(path: Path) -> Tools:
-    """A journal at ``path`` with one call of each kind of story:
+    """A SQLite journal at ``path`` seeded by :func:`seed_into`."""
+    with SQLiteJournal(path) as journal:
+        return seed_into(journal)
+
+
+def seed_into(journal: Any) -> Tools:
+    """One call of each kind of story, run through the guard on ``journal``:
 
     - ``call-ok``: charge committed, then replayed once
     - ``call-timeout``: charge timed out (unknown), its retry refused effect_status_unknown
@@ -95,19 +101,18 @@ def seed(path: Path) -> Tools:
     - ``call-read``: read_balance committed, by agent-2
     - ``call-refused``: refund, refused policy_violation (events only, no call)
     """
-    with SQLiteJournal(path) as journal:
-        tools = Tools(journal)
-        tools.call("call-ok", tools.charge, account="acct_1", cents=500)
-        tools.call("call-ok", tools.charge, account="acct_1", cents=500)
-        tools.fail_with = TimeoutError("backend did not answer")
-        with suppress(TimeoutError):
-            tools.call("call-timeout", tools.charge, account="acct_2", cents=700)
+    tools = Tools(journal)
+    tools.call("call-ok", tools.charge, account="acct_1", cents=500)
+    tools.call("call-ok", tools.charge, account="acct_1", cents=500)
+    tools.fail_with = TimeoutError("backend did not answer")
+    with suppress(TimeoutError):
         tools.call("call-timeout", tools.charge, account="acct_2", cents=700)
-        tools.fail_with = ValueError("card declined")
-        with suppress(ValueError):
-            tools.call("call-failed", tools.charge, account="acct_3", cents=900)
-        tools.call("call-read", tools.read_balance, agent="agent-2", account="acct_1")
-        tools.call("call-refused", tools.refund, account="acct_1", cents=500)
+    tools.call("call-timeout", tools.charge, account="acct_2", cents=700)
+    tools.fail_with = ValueError("card declined")
+    with suppress(ValueError):
+        tools.call("call-failed", tools.charge, account="acct_3", cents=900)
+    tools.call("call-read", tools.read_balance, agent="agent-2", account="acct_1")
+    tools.call("call-refused", tools.refund, account="acct_1", cents=500)
     return tools
 
 
@@ -183,3 +188,34 @@ def pending_with_live_owner(path: Path, call_id: str) -> Iterator[int]:
         assert proc.stdin is not None
         proc.stdin.close()
         proc.wait(timeout=60)
+
+
+def run_on_terminal(*args: str, stream: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run the installed ``airlock`` with its ``stream`` (``stdout`` or ``stderr``) on a
+    pseudo-terminal; returns the exit code, what reached the terminal, and the other stream."""
+    import pty
+
+    master, slave = pty.openpty()
+    full_env = {k: v for k, v in os.environ.items() if k not in ("AIRLOCK_JOURNAL", "NO_COLOR")}
+    full_env.update(env or {})
+    other = subprocess.PIPE
+    proc = subprocess.Popen(
+        [AIRLOCK, *args], env=full_env,
+        stdout=slave if stream == "stdout" else other, stderr=slave if stream == "stderr" else other,
+    )
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal closed: the process has exited
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    piped = proc.stdout if stream == "stderr" else proc.stderr
+    assert piped is not None
+    rest = piped.read().decode()
+    proc.wait(timeout=60)
+    return proc.returncode, seen.decode().replace("\r\n", "\n"), rest

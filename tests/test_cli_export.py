@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from cli.export import CSV_COLUMNS
-from tests.cli_support import count_events, digest, invoke, rows, seed
+from tests.cli_support import count_events, digest, invoke, rows, run_airlock, run_on_terminal, seed
 
 SECTION_3_FIELDS = {
     "seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments", "value", "error",
@@ -202,3 +202,16 @@ def test_allow_gaps_without_export_is_a_usage_error(db: Path) -> None:
 def test_verify_export_of_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     result = invoke("journal", "verify", "--export", str(tmp_path / "nope.jsonl"))
     assert result.exit_code == 2 and "does not exist" in result.stderr
+
+
+def test_a_progress_bar_only_when_stderr_is_a_terminal_and_the_export_goes_to_a_file(db: Path, tmp_path: Path) -> None:
+    out = tmp_path / "audit.jsonl"
+    code, seen, stdout = run_on_terminal("journal", "export", "--db", str(db), "-o", str(out), stream="stderr")
+    assert code == 0 and stdout == ""
+    assert "Exporting" in seen and "100%" in seen
+    assert len(out.read_text().splitlines()) == count_events(db)
+    code, seen, stdout = run_on_terminal("journal", "export", "--db", str(db), stream="stderr")
+    assert code == 0 and "Exporting" not in seen
+    assert len(stdout.splitlines()) == count_events(db)
+    piped = run_airlock("journal", "export", "--db", str(db), "-o", str(out))
+    assert piped.returncode == 0 and piped.stderr == f"Exported {count_events(db)} events to {out}\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,16 @@ import pytest
 
 from cli import render
 from guard.store import CallRecord, current_owner
-from tests.cli_support import digest, invoke, leave_pending, pending_with_live_owner, seed
+from journal import SQLiteJournal
+from tests.cli_support import (
+    Tools,
+    digest,
+    invoke,
+    leave_pending,
+    pending_with_live_owner,
+    run_on_terminal,
+    seed,
+)
 
 
 @pytest.fixture
@@ -223,3 +233,25 @@ def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch: pytest.M
 def test_show_output_through_a_pipe_has_no_colour(db: Path) -> None:
     result = invoke("journal", "show", "--db", str(db))
     assert "\x1b[" not in result.stdout
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def test_on_a_terminal_the_table_fits_its_width_and_is_coloured(db: Path) -> None:
+    long_id = "toolu_01" + "A" * 70
+    with SQLiteJournal(db) as journal:
+        tools = Tools(journal)
+        tools.call(long_id, tools.charge, account="acct_7", cents=100)
+    code, seen, _ = run_on_terminal("journal", "show", "--db", str(db), stream="stdout", env={"COLUMNS": "70"})
+    assert code == 0
+    lines = [ANSI.sub("", line) for line in seen.splitlines() if line]
+    assert lines[0].startswith("CALL ID")
+    assert all(len(line) <= 70 for line in lines)
+    assert lines[1].startswith("toolu_01AAA") and render.ELLIPSIS in lines[1] and long_id not in seen
+    assert "\x1b[" in seen
+    code, plain, _ = run_on_terminal("journal", "show", "--db", str(db), stream="stdout",
+                                     env={"COLUMNS": "70", "NO_COLOR": "1"})
+    assert code == 0 and "\x1b[" not in plain and render.ELLIPSIS in plain
+    piped = invoke("journal", "show", "--db", str(db))
+    assert long_id in piped.stdout
