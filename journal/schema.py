@@ -87,7 +87,7 @@ CREATE TABLE calls (
     updated_at TEXT NOT NULL,
     since TEXT NOT NULL,
     last_seq INTEGER NOT NULL
-) WITHOUT ROWID;
+);
 CREATE INDEX calls_updated_at ON calls (updated_at DESC, call_id);
 """
 

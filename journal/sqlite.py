@@ -50,6 +50,15 @@ _SORTED = orjson.OPT_SORT_KEYS
 # Connections inherited through fork are never used or closed in the child (closing one could
 # checkpoint and delete a WAL that the parent still writes); they are parked here instead.
 _INHERITED: list[sqlite3.Connection] = []
+_FORKS = [0]  # how many forks this process descends from: a change means the connection was inherited
+
+
+def _forked() -> None:
+    _FORKS[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 _EVENT_COLUMNS = ("seq, at, call_id, kind, tool, agent_id, idempotency_key, arguments, value, error, reason, "
                   "actor, attempt, owner, prev_hash, hash")
@@ -222,7 +231,7 @@ class SQLiteJournal:
         self._owner: tuple[object, str | None] = (object(), None)
         self._closed = False
         self._conn = self._open()
-        self._pid = os.getpid()
+        self._forks = _FORKS[0]
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -299,9 +308,9 @@ class SQLiteJournal:
     def _connection(self) -> sqlite3.Connection:
         if self._closed:
             raise JournalError(f"The journal {self.path} is closed.")
-        if os.getpid() != self._pid:
+        if _FORKS[0] != self._forks:
             _INHERITED.append(self._conn)
-            self._pid = os.getpid()
+            self._forks = _FORKS[0]
             self._sync = None
             self._conn = self._open()
         return self._conn
@@ -397,10 +406,12 @@ class SQLiteJournal:
             conn = self._connection()
             sync = _NORMAL
             if full:
-                # A committed call is replayed or refused, which need no fsync; anything else may run.
+                # Guess whether the call will run (no fsync is needed otherwise): a new or released
+                # call runs; a committed one is replayed; a pending or unknown one is refused unless
+                # the tool is reversible, which step() finds out and then redoes at FULL.
                 status = self._retry(conn, lambda: conn.execute(
                     "SELECT status FROM calls WHERE call_id = ?", (call_id,)).fetchone())
-                sync = _NORMAL if status == ("committed",) else _FULL
+                sync = _FULL if status is None or status == ("released",) else _NORMAL
             return self._transaction(conn, sync, step)
 
     def append(self, event: EffectEvent) -> None:
@@ -678,8 +689,10 @@ class SQLiteJournal:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                if os.getpid() == self._pid:
+                if _FORKS[0] == self._forks:
                     self._conn.close()
+                else:
+                    _INHERITED.append(self._conn)
 
     def __enter__(self) -> SQLiteJournal:
         return self
