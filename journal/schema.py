@@ -126,7 +126,7 @@ def read_kind(conn: sqlite3.Connection) -> FileKind:
     """Classify the database behind ``conn`` without writing to it."""
     app_id = conn.execute("PRAGMA application_id").fetchone()[0]
     version = conn.execute("PRAGMA user_version").fetchone()[0]
-    tables = set(sqlite_utils.Database(conn).table_names())
+    tables = set(sqlite_utils.Database(conn, recursive_triggers=False, execute_plugins=False).table_names())
     if not tables and app_id == 0 and version == 0:
         return FileKind("blank")
     marked = "meta" in tables and conn.execute(
