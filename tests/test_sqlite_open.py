@@ -220,6 +220,14 @@ def test_bad_busy_timeout_is_refused(tmp_path: Path, timeout: object) -> None:
     assert listing(tmp_path) == []
 
 
+@pytest.mark.parametrize("target", [":memory:", "file:j.db?mode=memory"])
+def test_only_a_file_path_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="path of a file"):
+        SQLiteJournal(target)
+    assert listing(tmp_path) == []
+
+
 def test_open_journal_gives_a_sqlite_journal_for_a_path(tmp_path: Path) -> None:
     with open_journal(str(tmp_path / "j.db"), durability="process") as j:
         assert isinstance(j, SQLiteJournal)
