@@ -104,7 +104,7 @@ class _Call:
         host = active()
         if host is None:
             self.agent_id, self.metadata, self.tool_call_id = None, {}, None
-        elif isinstance(host, AirlockContext) and not isinstance(host, CallContext):
+        elif type(host) is AirlockContext or (isinstance(host, AirlockContext) and not isinstance(host, CallContext)):
             self.agent_id, self.metadata, self.tool_call_id = host.agent_id, host.metadata, host.tool_call_id
         else:
             # A guarded call made from inside a tool is not the model's call: it has no id of its own.
@@ -317,7 +317,7 @@ class _Call:
     def returned(self, result: Any) -> None:
         if self.verdict is not _RUN:
             return
-        if _is_deferred(result):
+        if type(result) not in _PLAIN and _is_deferred(result):
             self.outcome("unknown", error={
                 "type": type(result).__name__,
                 "message": "the tool returned a deferred result; its effect happens as it is consumed",
