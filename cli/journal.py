@@ -99,13 +99,12 @@ def show(
         airlock journal show call_7Qx2 --json
     """
     if call_id is not None:
-        given = [
-            f"--{name}" for name in ("status", "tool", "agent_id", "since", "limit")
-            if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT
-        ]
+        filters = {"status": "--status", "tool": "--tool", "agent_id": "--agent", "since": "--since",
+                   "limit": "--limit"}
+        given = [flag for name, flag in filters.items()
+                 if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
         if given:
-            raise click.UsageError(f"{', '.join(given).replace('agent_id', 'agent')} filter the list of calls; "
-                                   "they cannot be combined with CALL_ID")
+            raise click.UsageError(f"{', '.join(given)} filter the list of calls; they cannot be combined with CALL_ID")
         _show_call(call_id, as_json, db)
         return
     with open_journal(db, readonly=True, create=False) as j:
