@@ -193,3 +193,19 @@ def test_script_resolve_then_export_to_a_pipe(db: Path) -> None:
 def test_script_version() -> None:
     result = run_airlock("--version")
     assert result.returncode == 0 and result.stdout.startswith("airlock, version ")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["show"], ["show", "--json"], ["show", "call-timeout"], ["show", "call-ok", "--json"],
+        ["export"], ["export", "--format", "csv"], ["verify"], ["verify", "--json"], ["stats"], ["stats", "--json"],
+    ],
+    ids=" ".join,
+)
+def test_a_command_that_only_reads_leaves_the_journal_as_it_was(db: Path, args: list[str]) -> None:
+    leave_pending(db, "call-crashed")  # a WAL that no writer has checkpointed yet
+    before = digest(db)
+    result = invoke("journal", *args, "--db", str(db))
+    assert result.exit_code == 0, result.output
+    assert digest(db) == before
