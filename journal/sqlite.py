@@ -46,6 +46,7 @@ Durability = Literal["full", "process"]
 _FULL, _NORMAL = "FULL", "NORMAL"
 _BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 _BATCH = 1000
+_SEEN_LIMIT = 4096
 _SORTED = orjson.OPT_SORT_KEYS
 # Connections inherited through fork are never used or closed in the child (closing one could
 # checkpoint and delete a WAL that the parent still writes); they are parked here instead.
@@ -231,6 +232,7 @@ class SQLiteJournal:
         self._lock = threading.RLock()
         self._sync: str | None = None
         self._owner: tuple[object, str | None] = (object(), None)
+        self._seen: dict[str, str] = {}  # call_id -> the status this object last saw: only a guess
         self._closed = False
         self._conn = self._open()
         self._forks = _FORKS[0]
@@ -405,16 +407,15 @@ class SQLiteJournal:
             return decision
 
         with self._lock:
-            conn = self._connection()
             sync = _NORMAL
             if full:
-                # Guess whether the call will run (no fsync is needed otherwise): a new or released
-                # call runs; a committed one is replayed; a pending or unknown one is refused unless
-                # the tool is reversible, which step() finds out and then redoes at FULL.
-                status = self._retry(conn, lambda: conn.execute(
-                    "SELECT status FROM calls WHERE call_id = ?", (call_id,)).fetchone())
-                sync = _FULL if status is None or status == ("released",) else _NORMAL
-            return self._transaction(conn, sync, step)
+                # Guess from the status last seen whether the call will run, as only then is an fsync
+                # needed: a call not seen or released runs; a committed one (for good) is replayed;
+                # a pending or unknown one is refused unless the tool is reversible. A wrong guess
+                # costs an fsync for nothing, or a transaction redone at FULL (see step).
+                seen = self._seen.get(call_id)
+                sync = _FULL if seen is None or seen == "released" else _NORMAL
+            return self._transaction(self._connection(), sync, step)
 
     def append(self, event: EffectEvent) -> None:
         """Record an outcome or a refusal outside ``begin``; it becomes durable with the next fsync."""
@@ -454,6 +455,10 @@ class SQLiteJournal:
             arguments, value, error_text, reason_text, event.actor, event.attempt, owner_text, prev, digest,
         ))
         folded = apply(record, event, seq)
+        if folded is not None:
+            if len(self._seen) >= _SEEN_LIMIT:
+                self._seen.clear()
+            self._seen[folded.call_id] = folded.status
         if folded is not None and folded is not record:
             conn.execute(_UPSERT_CALL, _call_row(folded, {
                 id(event.at): at_text, id(event.error): error_text, id(event.reason): reason_text,

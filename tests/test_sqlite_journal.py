@@ -459,3 +459,76 @@ def test_one_journal_shared_by_threads(tmp_path: Path) -> None:
     assert journal.stats().by_status == {"committed": 200}
     assert journal.verify().ok
     journal.close()
+
+
+# -- durability: which transactions are fsynced ------------------------------------------------
+
+
+class Transactions:
+    """The kinds of event each committed transaction inserted, with the synchronous level it ran at."""
+
+    def __init__(self, journal: SQLiteJournal) -> None:
+        conn = journal._connection()
+        self.level = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}[conn.execute("PRAGMA synchronous").fetchone()[0]]
+        self.kinds: list[str] = []
+        self.committed: list[tuple[str, tuple[str, ...]]] = []
+        conn.set_trace_callback(self.trace)
+
+    def trace(self, statement: str) -> None:
+        text = statement.strip()
+        if text.startswith("PRAGMA synchronous = "):
+            self.level = text.rsplit(" ", 1)[1]
+        elif text.startswith("INSERT INTO events"):
+            self.kinds.append(next(k for k in ("pending", "committed", "unknown", "released", "replayed", "refused")
+                                   if f"'{k}'" in text))
+        elif text == "COMMIT":
+            self.committed.append((self.level, tuple(self.kinds)))
+            self.kinds = []
+        elif text == "ROLLBACK":
+            self.kinds = []
+
+
+def test_full_durability_fsyncs_only_the_transactions_that_record_pending(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", durability="full")
+    seen = Transactions(journal)
+    runs: list[str] = []
+    tool = guarded(journal, runs)
+    call(tool, "d1", "acct", 1)
+    call(tool, "d1", "acct", 1)
+    assert call(tool, "d1", "acct", 2)["block_reason"] == "policy_violation"
+    assert seen.committed == [("FULL", ("pending",)), ("NORMAL", ("committed",)), ("NORMAL", ("replayed",)),
+                              ("NORMAL", ("refused",))]
+    journal.close()
+
+
+def test_process_durability_never_fsyncs(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process")
+    seen = Transactions(journal)
+    call(guarded(journal, []), "d1", "acct", 1)
+    assert [level for level, _ in seen.committed] == ["NORMAL", "NORMAL"]
+    journal.close()
+
+
+def test_a_guess_that_the_call_would_not_run_is_redone_at_full(tmp_path: Path) -> None:
+    from guard.effect_guard import reversibility
+
+    journal = SQLiteJournal(tmp_path / "j.db", durability="full")
+    seen = Transactions(journal)
+    attempts: list[int] = []
+
+    @reversibility("reversible")
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def lookup(account: str) -> str:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise TimeoutError("slow")
+        return "found"
+
+    with pytest.raises(TimeoutError):
+        call(lookup, "g1", "acct")
+    # Last seen unknown, so a refusal is expected; the reversible tool runs instead, and its pending is fsynced.
+    assert call(lookup, "g1", "acct") == "found"
+    assert seen.committed[2] == ("FULL", ("pending",))
+    assert journal.get("g1").attempt == 2
+    assert [e.kind for e in journal.call_events("g1")] == ["pending", "unknown", "pending", "committed"]
+    journal.close()
