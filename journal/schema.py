@@ -137,9 +137,13 @@ def read_kind(conn: sqlite3.Connection) -> FileKind:
     return FileKind("journal", version)
 
 
-def inspect(path: Path) -> FileKind:
+def inspect(path: Path, timeout: float = 5.0) -> FileKind:
     """Classify the file at ``path`` (which exists) through a read-only connection; changes nothing
-    in it. A file of zero bytes is blank."""
+    in it. A file of zero bytes is blank.
+
+    Raises ``OSError`` when the file cannot be read, and ``sqlite3.OperationalError`` when it stays
+    locked by another process for ``timeout`` seconds (a busy file is not a foreign one).
+    """
     with path.open("rb") as f:
         header = f.read(len(_HEADER))
     if not header:
@@ -147,12 +151,14 @@ def inspect(path: Path) -> FileKind:
     if header != _HEADER:
         return FileKind("foreign", why="is not a SQLite database")
     try:
-        conn = sqlite3.connect(readonly_uri(path), uri=True)
+        conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=timeout)
     except sqlite3.Error as e:
-        return FileKind("foreign", why=f"cannot be read as a SQLite database ({e})")
+        return FileKind("foreign", why=f"cannot be opened as a SQLite database ({e})")
     try:
         return read_kind(conn)
     except sqlite3.Error as e:
+        if (getattr(e, "sqlite_errorcode", 0) & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            raise
         return FileKind("foreign", why=f"cannot be read as a SQLite database ({e})")
     finally:
         conn.close()

@@ -276,9 +276,13 @@ class SQLiteJournal:
 
     def _inspect(self) -> schema.FileKind:
         try:
-            return schema.inspect(self.path)
+            return schema.inspect(self.path, self.busy_timeout)
         except OSError as e:
             raise JournalError(f"Cannot read the journal {self.path}: {e.strerror}.") from e
+        except sqlite3.Error as e:
+            raise StoreBusy(
+                f"The journal {self.path} stayed locked by another process for {self.busy_timeout:g} s."
+            ) from e
 
     def _check(self, kind: schema.FileKind, blank_ok: bool) -> schema.FileKind:
         if kind.kind == "foreign":

@@ -18,6 +18,7 @@ from journal import (
     NewerSchema,
     NotAJournal,
     SQLiteJournal,
+    StoreBusy,
     open_journal,
 )
 from journal.schema import APPLICATION_ID, LATEST
@@ -241,3 +242,20 @@ def test_a_closed_journal_says_so(tmp_path: Path) -> None:
     j.close()
     with pytest.raises(JournalError, match="closed"):
         j.get("c1")
+
+
+def test_a_journal_locked_by_another_process_is_busy_not_foreign(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    make_journal(path)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        for readonly in (False, True):
+            with pytest.raises(StoreBusy, match="locked"):
+                SQLiteJournal(path, busy_timeout=0.2, readonly=readonly)
+    finally:
+        holder.execute("COMMIT")
+        holder.close()
+    with SQLiteJournal(path) as j:
+        assert j.head()[0] == 1
