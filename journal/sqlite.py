@@ -232,6 +232,7 @@ class SQLiteJournal:
         self._lock = threading.RLock()
         self._sync: str | None = None
         self._owner: tuple[object, str | None] = (object(), None)
+        self._arguments: tuple[str | None, str | None] = (None, None)
         self._seen: dict[str, str] = {}  # call_id -> the status this object last saw: only a guess
         self._closed = False
         self._conn = self._open()
@@ -448,10 +449,12 @@ class SQLiteJournal:
             self._owner = (owner, _json_text(owner))  # the guard hands every event one owner object
         owner_text = self._owner[1]
         arguments, value = event.arguments, event.value
+        if arguments != self._arguments[0]:
+            self._arguments = (arguments, text_sha256(arguments))  # a call's events repeat its arguments
         digest = compute_hash(prev, {
             "seq": seq, "at": at_text, "call_id": event.call_id, "kind": event.kind, "tool": event.tool,
             "agent_id": event.agent_id, "idempotency_key": event.idempotency_key,
-            "arguments_sha256": text_sha256(arguments), "value_sha256": text_sha256(value),
+            "arguments_sha256": self._arguments[1], "value_sha256": text_sha256(value),
             "error": error, "reason": reason, "actor": event.actor, "attempt": event.attempt, "owner": owner,
         })
         conn.execute(_INSERT_EVENT, (
