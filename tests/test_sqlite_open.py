@@ -259,3 +259,47 @@ def test_a_journal_locked_by_another_process_is_busy_not_foreign(tmp_path: Path)
         holder.close()
     with SQLiteJournal(path) as j:
         assert j.head()[0] == 1
+
+
+# -- migrations --------------------------------------------------------------------------------
+
+
+def test_an_older_journal_is_migrated_on_a_writable_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from journal import schema
+
+    path = tmp_path / "j.db"
+    make_journal(path)
+
+    def add_notes(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TABLE notes (seq INTEGER PRIMARY KEY, text TEXT NOT NULL)")
+
+    monkeypatch.setitem(schema.MIGRATIONS, LATEST + 1, add_notes)
+    monkeypatch.setattr(schema, "LATEST", LATEST + 1)
+    with pytest.raises(JournalError, match="needs migrating"):
+        SQLiteJournal(path, readonly=True)
+    with SQLiteJournal(path) as j:
+        assert j.get("c1") is not None and j.verify().ok
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone() == (LATEST + 1,)
+    assert conn.execute("SELECT count(*) FROM notes").fetchone() == (0,)
+    conn.close()
+
+
+def test_a_failing_migration_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from journal import schema
+
+    path = tmp_path / "j.db"
+    make_journal(path)
+
+    def half_done(conn: sqlite3.Connection) -> None:
+        conn.execute("CREATE TABLE notes (text TEXT)")
+        conn.execute("INSERT INTO no_such_table VALUES (1)")
+
+    monkeypatch.setitem(schema.MIGRATIONS, LATEST + 1, half_done)
+    monkeypatch.setattr(schema, "LATEST", LATEST + 1)
+    with pytest.raises(JournalError, match="no_such_table"):
+        SQLiteJournal(path)
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone() == (LATEST,)
+    assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'notes'").fetchone() is None
+    conn.close()
