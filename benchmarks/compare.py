@@ -1,0 +1,410 @@
+"""A guarded call here and in two peer libraries, and the raw SQLite transactions under them, in one run.
+
+    python benchmarks/compare.py [--dir DIR] [--rounds R] [--calls N] [--sync-calls M] [--pg DSN|auto]
+
+Needs the ``bench`` extra (``pip install -e '.[bench]'``): agent-once (``once``) and airlock-sdk
+(``airlock``). Every system guards the same tool, ``charge(account, cents)``, which counts its runs
+and returns a dict. For each system it prints the median and the 99th percentile of one call with a
+fresh id (the tool runs) and of a replay of a committed call (the stored value comes back):
+
+- the bare function;
+- this project on its in-memory store, on SQLiteJournal at ``full`` and at ``process``, and on
+  PostgresJournal when a server is given (``--pg DSN``, or ``AIRLOCK_BENCH_PG_DSN``; ``--pg auto``
+  starts a throwaway cluster as the tests do);
+- agent-once on its SQLite store (a fresh id is ``once.scope(id)``), at its default
+  ``synchronous=FULL`` and at ``NORMAL``;
+- airlock-sdk on its SQLite store in its at-most-once mode (a bare ``Effect()``; a fresh id is the
+  ``key=`` override), at its default ``synchronous=NORMAL`` and at ``FULL``;
+- the floors: one and two raw ``BEGIN IMMEDIATE; INSERT; COMMIT`` transactions, WAL, at FULL and at
+  NORMAL, on a file in the same directory.
+
+Before timing, each system must run the tool exactly once for a fresh id, return the stored value on
+a replay without running it, and run it again for another id; its SQLite file must be in WAL mode at
+the ``synchronous`` level named. Otherwise the run stops with the reason. Every system runs a batch
+in every round, in an order that rotates, so noise from other work on the machine falls on all alike.
+The files go in a temporary directory under ``--dir`` (default /var/tmp), which must be on a disk,
+not tmpfs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import contextvars
+import gc
+import importlib.metadata
+import os
+import platform
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from guard import Airlock, AirlockContext, SecurityPolicy
+from guard.effect_guard import EffectGuard, InMemoryEffectStore
+from journal import SQLiteJournal
+
+_PG_ENV = "AIRLOCK_BENCH_PG_DSN"
+_SYNC_LEVELS = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+_ROW = ("2026-12-01T05:23:06.123456Z", "pending", "charge", "bench", "k" * 64,
+        '{"account":"acct_1","cents":500}', "guard", 1, '{"host":"bench","pid":1}', "0" * 64, "f" * 64)
+
+
+class Misconfigured(SystemExit):
+    """A system does not do what its row says: no figures are printed for a run that has one."""
+
+    def __init__(self, system: str, why: str) -> None:
+        super().__init__(f"compare.py: {system}: {why}; stopping, no figures printed.")
+
+
+@dataclass
+class System:
+    """One row of the table: how to make one call with a given id, and how often the tool ran."""
+
+    name: str
+    durability: str
+    call: Callable[[str], Any]
+    ran: list[int]
+    synced: bool  # an fsync per fresh call, so fewer calls a round
+    guarded: bool = True  # False for the bare function and the floors: nothing to check
+    replays: bool = True
+    context: contextvars.Context | None = None  # the context the calls run in (airlock-sdk's runtime)
+    check_sqlite: tuple[sqlite3.Connection, str] | None = None  # a peer's connection and the level it needs
+    warned: Callable[[list[warnings.WarningMessage]], str | None] | None = None
+    fresh: list[int] = field(default_factory=list)
+    replay: list[int] = field(default_factory=list)
+
+    def run(self, work: Callable[[], Any]) -> Any:
+        return work() if self.context is None else self.context.run(work)
+
+
+def make_tool(ran: list[int]) -> Callable[[str, int], dict[str, Any]]:
+    """A fresh ``charge`` tool: each run counts, and its value says which run it was."""
+
+    def charge(account: str, cents: int) -> dict[str, Any]:
+        ran[0] += 1
+        return {"charge_id": f"ch_{ran[0]}", "account": account, "cents": cents}
+
+    return charge
+
+
+# -- the systems ---------------------------------------------------------------------------------
+
+
+def bare() -> System:
+    ran = [0]
+    tool = make_tool(ran)
+    return System("bare function", "-", lambda call_id: tool("acct_1", 500), ran, synced=False, guarded=False)
+
+
+def ours(name: str, durability: str, store: Any, synced: bool) -> System:
+    ran = [0]
+    tool = Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)))(make_tool(ran))
+
+    def call(call_id: str) -> Any:
+        with AirlockContext(agent_id="bench", metadata={"tool_call_id": call_id}):
+            return tool("acct_1", 500)
+
+    return System(name, durability, call, ran, synced=synced)
+
+
+def agent_once(path: Path, synchronous: str | None) -> System:
+    import once
+
+    ran = [0]
+    runner = once.Once(path)
+    tool = runner.tool(make_tool(ran))
+    conn = runner.store._conn()  # type: ignore[attr-defined]  # this thread's connection, the one calls use
+    default = _SYNC_LEVELS[conn.execute("PRAGMA synchronous").fetchone()[0]]
+    if synchronous is not None:
+        conn.execute(f"PRAGMA synchronous = {synchronous}")
+    level = synchronous or default
+
+    def call(call_id: str) -> Any:
+        with runner.scope(call_id):
+            return tool("acct_1", 500)
+
+    label = f"synchronous={level}" + (" (its default)" if synchronous is None else "")
+    return System(f"agent-once {_version('agent-once')}, SQLiteStore", label, call, ran, synced=level == "FULL",
+                  check_sqlite=(conn, level))
+
+
+def airlock_sdk(path: Path, synchronous: str | None, action: str) -> System:
+    import airlock
+    from airlock import AtMostOnceWarning, Decision, Effect, Policy, Rule
+    from airlock.store.sqlite import SqliteStore
+    from airlock.transport.console import ConsoleApprovalTransport
+
+    ran = [0]
+    call_id_var: contextvars.ContextVar[str] = contextvars.ContextVar(f"{action}_call_id")
+    # A bare Effect() is airlock-sdk's at-most-once mode; key= makes the call id the ledger key.
+    tool = airlock.guard(action, effect=Effect(), key=lambda account, cents: call_id_var.get())(make_tool(ran))
+    store = SqliteStore(str(path))
+    store.ensure_schema()
+    context = contextvars.copy_context()  # init() installs its runtime in the current context
+    context.run(lambda: airlock.init(
+        store=store, policy=Policy(rules=[Rule(match=action, decision=Decision.AUTO)]),
+        transport=ConsoleApprovalTransport(str(path.with_suffix(".approvals.jsonl"))),
+    ))
+    conn = store._conn()  # this thread's connection, the one calls use
+    default = _SYNC_LEVELS[conn.execute("PRAGMA synchronous").fetchone()[0]]
+    if synchronous is not None:
+        conn.execute(f"PRAGMA synchronous = {synchronous}")
+    level = synchronous or default
+
+    def call(call_id: str) -> Any:
+        token = call_id_var.set(call_id)
+        try:
+            return tool("acct_1", 500)
+        finally:
+            call_id_var.reset(token)
+
+    def warned(caught: list[warnings.WarningMessage]) -> str | None:
+        if any(issubclass(w.category, AtMostOnceWarning) for w in caught):
+            warnings.filterwarnings("ignore", category=AtMostOnceWarning)
+            return None
+        return "did not warn AtMostOnceWarning, so it is not in its at-most-once mode"
+
+    label = f"synchronous={level}" + (" (its default)" if synchronous is None else "")
+    return System(f"airlock-sdk {_version('airlock-sdk')}, SqliteStore", label, call, ran,
+                  synced=level == "FULL", context=context, check_sqlite=(conn, level), warned=warned)
+
+
+def floor(path: Path, synchronous: str, transactions: int) -> System:
+    """Raw transactions of an event-sized row: the least that many durable appends can cost."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute(f"PRAGMA synchronous = {synchronous}")
+    conn.execute("CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY, at, call_id, kind, tool, agent_id, "
+                 "idempotency_key, arguments, actor, attempt, owner, prev_hash, hash)")
+    insert = ("INSERT INTO events (at, call_id, kind, tool, agent_id, idempotency_key, arguments, actor, attempt, "
+              "owner, prev_hash, hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)")
+
+    def call(call_id: str) -> None:
+        for _ in range(transactions):
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(insert, (_ROW[0], call_id, *_ROW[1:]))
+            conn.execute("COMMIT")
+
+    what = "one raw transaction" if transactions == 1 else f"{transactions} raw transactions"
+    return System(f"floor: {what}", f"synchronous={synchronous}", call, [0], synced=synchronous == "FULL",
+                  guarded=False, replays=False, check_sqlite=(conn, synchronous))
+
+
+# -- checks --------------------------------------------------------------------------------------
+
+
+def check(system: System, run_id: str) -> None:
+    """Stop the run unless ``system`` runs the tool once per id and replays the stored value."""
+    if system.check_sqlite is not None:
+        conn, level = system.check_sqlite
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        actual = _SYNC_LEVELS[conn.execute("PRAGMA synchronous").fetchone()[0]]
+        if mode != "wal" or actual != level:
+            raise Misconfigured(system.name, f"its SQLite file is journal_mode={mode}, synchronous={actual}, "
+                                             f"not wal and {level}")
+    if not system.guarded:
+        return
+    first_id, second_id = f"{run_id}-check-1", f"{run_id}-check-2"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = system.ran[0]
+        first = system.run(lambda: system.call(first_id))
+        if system.ran[0] != before + 1:
+            raise Misconfigured(system.name, f"a fresh id ran the tool {system.ran[0] - before} times, not once")
+        again = system.run(lambda: system.call(first_id))
+        if system.ran[0] != before + 1:
+            raise Misconfigured(system.name, "a replay ran the tool again")
+        if again != first:
+            raise Misconfigured(system.name, f"a replay returned {again!r}, not the stored {first!r}")
+        other = system.run(lambda: system.call(second_id))
+        if system.ran[0] != before + 2 or other == first:
+            raise Misconfigured(system.name, "another id did not run the tool: the id is not part of the key")
+    if system.warned is not None:
+        problem = system.warned(caught)
+        if problem is not None:
+            raise Misconfigured(system.name, problem)
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+
+def timed(call: Callable[[str], Any], ids: list[str]) -> list[int]:
+    """Nanoseconds of each call, one per id."""
+    clock = time.perf_counter_ns
+    out: list[int] = []
+    for call_id in ids:
+        start = clock()
+        call(call_id)
+        out.append(clock() - start)
+    return out
+
+
+def measure(systems: list[System], rounds: int, calls: int, sync_calls: int, run_id: str) -> None:
+    for system in systems:  # warm up: caches, prepared statements, the WAL
+        ids = [f"{run_id}-warm-{i}" for i in range(5)]
+        system.run(lambda s=system, ids=ids: timed(s.call, ids))
+    for r in range(rounds):
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for system in order:
+            n = sync_calls if system.synced else calls
+            ids = [f"{run_id}-r{r}-{i}" for i in range(n)]
+            gc.collect()
+            system.fresh += system.run(lambda s=system, ids=ids: timed(s.call, ids))
+            if system.replays:
+                replay_ids = [ids[i % n] for i in range(calls)]
+                gc.collect()
+                system.replay += system.run(lambda s=system, ids=replay_ids: timed(s.call, ids))
+
+
+def median_us(samples: list[int]) -> float:
+    return statistics.median(samples) / 1000
+
+
+def p99_us(samples: list[int]) -> float:
+    return statistics.quantiles(samples, n=100, method="inclusive")[98] / 1000
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise SystemExit(f"compare.py: {dist} is not installed; pip install -e '.[bench]'") from e
+
+
+def filesystem(path: Path) -> tuple[str, str]:
+    """The (type, device) of the filesystem that holds ``path``, from /proc/mounts."""
+    best = ("", "?", "?")
+    target = str(path.resolve())
+    with contextlib.suppress(OSError), open("/proc/mounts") as mounts:
+        for line in mounts:
+            device, point, kind = line.split()[:3]
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best[0]):
+                best = (point, kind, device)
+    return best[1], best[2]
+
+
+def postgres_dsn(option: str | None) -> tuple[str | None, Callable[[], None]]:
+    """The DSN to run PostgresJournal on (or None), and what to call at the end."""
+    dsn = option or os.environ.get(_PG_ENV)
+    if not dsn:
+        return None, lambda: None
+    if dsn != "auto":
+        return dsn, lambda: None
+    from tests import pgserver
+
+    try:
+        server = pgserver.server()
+    except pgserver.PgUnavailable as e:
+        raise SystemExit(f"compare.py: --pg auto: {e}") from e
+    return pgserver.fresh_database(server), pgserver.shutdown
+
+
+def ratio_line(label: str, slow: float, fast: float, target: float) -> str:
+    ratio = slow / fast
+    verdict = "met" if ratio >= target else "NOT MET"
+    return f"  {label:<76} {ratio:6.2f}x  (target >= {target:g}x)  {verdict}"
+
+
+def report(systems: dict[str, System], where: str, options: argparse.Namespace) -> None:
+    print(f"journals in {where}")
+    print(f"python {platform.python_version()}, SQLite {sqlite3.sqlite_version}, {os.cpu_count()} CPUs; "
+          f"{options.rounds} rounds of {options.calls} calls ({options.sync_calls} where each call fsyncs), "
+          "interleaved; microseconds per call")
+    print()
+    print(f"{'system':<44} {'durability':<32} {'fresh med':>10} {'p99':>9} {'replay med':>11} {'p99':>9}")
+    for system in systems.values():
+        fresh = f"{median_us(system.fresh):10.1f} {p99_us(system.fresh):9.1f}"
+        replay = (f"{median_us(system.replay):11.1f} {p99_us(system.replay):9.1f}" if system.replays
+                  else f"{'-':>11} {'-':>9}")
+        print(f"{system.name:<44} {system.durability:<32} {fresh} {replay}")
+    print()
+    med = {key: median_us(s.fresh) for key, s in systems.items()}
+    rep = {key: median_us(s.replay) for key, s in systems.items() if s.replays}
+    print("targets (ratios of medians from this run):")
+    overhead = med["memory"] - med["bare"]
+    print(f"  {'in-memory store: fresh call overhead over the bare function':<76} {overhead:6.2f}us "
+          f"(target < 10us)  {'met' if overhead < 10 else 'NOT MET'}")
+    within = med["full"] / med["floor-full-1"]
+    print(f"  {'full, fresh call / one raw transaction at FULL':<76} {within:6.2f}x  (target <= 1.2x)  "
+          f"{'met' if within <= 1.2 else 'NOT MET'}")
+    print(ratio_line("agent-once at FULL (its default) / full, fresh call", med["once-full"], med["full"], 2))
+    print(ratio_line("agent-once at FULL (its default) / process, fresh call", med["once-full"], med["process"], 2.5))
+    print(ratio_line("agent-once at NORMAL / process, fresh call (equal durability)", med["once-normal"],
+                     med["process"], 2.5))
+    print(ratio_line("airlock-sdk at NORMAL (its default) / process, fresh call", med["sdk-normal"],
+                     med["process"], 5))
+    print(ratio_line("airlock-sdk at FULL / full, fresh call (equal durability)", med["sdk-full"], med["full"], 2))
+    for ours_key, ours_name in (("full", "full"), ("process", "process")):
+        for peer in ("once-full", "once-normal", "sdk-normal", "sdk-full"):
+            print(ratio_line(f"{systems[peer].name} {systems[peer].durability} / {ours_name}, replay",
+                             rep[peer], rep[ours_key], 2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where the journals go (a disk)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=300, help="calls a round, and replays a round")
+    parser.add_argument("--sync-calls", type=int, default=30, help="fresh calls a round where each fsyncs")
+    parser.add_argument("--pg", default=None, help=f"a PostgreSQL DSN, or 'auto' (default: ${_PG_ENV})")
+    options = parser.parse_args()
+    kind, device = filesystem(options.dir)
+    if kind in ("tmpfs", "ramfs"):
+        raise SystemExit(f"compare.py: {options.dir} is on {kind}: fsync would cost nothing; give --dir on a disk")
+    pg_dsn, pg_done = postgres_dsn(options.pg)
+    run_id = uuid.uuid4().hex[:8]
+    try:
+        with tempfile.TemporaryDirectory(dir=options.dir, prefix="compare-") as tmp:
+            d = Path(tmp)
+            systems = {
+                "bare": bare(),
+                "memory": ours("airlock-journal, in-memory store", "this process's memory",
+                               InMemoryEffectStore(), synced=False),
+                "full": ours("airlock-journal, SQLiteJournal", 'durability="full"',
+                             SQLiteJournal(d / "ours-full.db", durability="full"), synced=True),
+                "process": ours("airlock-journal, SQLiteJournal", 'durability="process"',
+                                SQLiteJournal(d / "ours-process.db", durability="process"), synced=False),
+            }
+            if pg_dsn is not None:
+                from journal.postgres import PostgresJournal
+
+                systems["postgres"] = ours("airlock-journal, PostgresJournal", "server's synchronous_commit",
+                                           PostgresJournal(pg_dsn), synced=True)
+            systems |= {
+                "once-full": agent_once(d / "once-full.db", None),
+                "once-normal": agent_once(d / "once-normal.db", "NORMAL"),
+                "sdk-normal": airlock_sdk(d / "sdk-normal.db", None, "bench.charge_normal"),
+                "sdk-full": airlock_sdk(d / "sdk-full.db", "FULL", "bench.charge_full"),
+                "floor-full-1": floor(d / "floor-full-1.db", "FULL", 1),
+                "floor-full-2": floor(d / "floor-full-2.db", "FULL", 2),
+                "floor-normal-1": floor(d / "floor-normal-1.db", "NORMAL", 1),
+                "floor-normal-2": floor(d / "floor-normal-2.db", "NORMAL", 2),
+            }
+            if systems["once-full"].durability != "synchronous=FULL (its default)":
+                raise Misconfigured("agent-once", f"its default is {systems['once-full'].durability}, not FULL")
+            if systems["sdk-normal"].durability != "synchronous=NORMAL (its default)":
+                raise Misconfigured("airlock-sdk", f"its default is {systems['sdk-normal'].durability}, not NORMAL")
+            for system in systems.values():
+                check(system, run_id)
+            measure(list(systems.values()), options.rounds, options.calls, options.sync_calls, run_id)
+            report(systems, f"{d} ({kind} on {device})", options)
+    finally:
+        pg_done()
+
+
+if __name__ == "__main__":
+    main()
