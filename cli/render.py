@@ -61,6 +61,14 @@ def age(at: datetime | None, now: datetime | None = None) -> str:
     return f"{hours // 24}d ago"
 
 
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (controls, NUL, bidi overrides) escaped,
+    so a hostile call id or tool name is shown, never obeyed; ``--json`` has the exact text."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def truncate(text: str, width: int) -> str:
     if len(text) <= width:
         return text
@@ -101,6 +109,7 @@ def table(
     (widest first, each keeping at least 8) and their cells end in an ellipsis. ``styles`` names
     a status per row, which colours the whole row's status cell (column index 2) when ``colour``.
     """
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
@@ -279,7 +288,7 @@ def call_lines(
             ("arguments", first.arguments or "-"),
         ]
     label = max(len(name) for name, _ in fields)
-    lines = [f"{name.ljust(label)}  {text}" for name, text in fields]
+    lines = [f"{name.ljust(label)}  {text if name == 'status' else printable(text)}" for name, text in fields]
     lines.append("")
     lines += events_table(events, width=width, colour=colour)
     return lines
