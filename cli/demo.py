@@ -32,7 +32,7 @@ class PaymentBackend:
         self.ledger.append({**receipt, "idempotency_key": idempotency_key})
         if self.lose_next_answer:
             self.lose_next_answer = False
-            raise TimeoutError("the payment backend did not answer within 5s")
+            raise TimeoutError("no answer within 5s")
         return receipt
 
     def balance(self, account: str) -> int:
@@ -116,23 +116,23 @@ def demo(db: str) -> None:
         heading(f"airlock demo: run {run}, journal {db}")
         click.echo()
 
-        heading(f"1. The agent pays invoice A-{run}: charge(account='acct_alice', cents=1250), tool call {first}")
+        heading(f"1. Pay invoice A-{run}: charge(account='acct_alice', cents=1250), tool call {first}")
         receipt = call(first, charge, account="acct_alice", cents=1250)
         say("backend", f"charged {receipt['charge_id']} ({_money(receipt['cents'])} from acct_alice)")
         say("journal", f"{recorded(first)}, with the receipt", recorded(first))
         say("host", "the connection to the model drops: the receipt never reaches it")
         say("model", f"retries tool call {first}")
         replay = call(first, charge, account="acct_alice", cents=1250)
-        say("journal", f"replayed the stored receipt {orjson.dumps(replay).decode()}", "replayed")
+        say("journal", f"replayed the stored receipt of {replay['charge_id']} to the model", "replayed")
         say("backend", f"not called again; {len(backend.ledger)} charge so far")
         click.echo()
 
-        heading(f"2. The agent pays invoice B-{run}: charge(account='acct_bob', cents=4200), tool call {second}")
+        heading(f"2. Pay invoice B-{run}: charge(account='acct_bob', cents=4200), tool call {second}")
         backend.lose_next_answer = True
         try:
             call(second, charge, account="acct_bob", cents=4200)
         except TimeoutError as e:
-            say("backend", f"charged ch_{len(backend.ledger)}, but the answer is lost: {e}")
+            say("backend", f"charged ch_{len(backend.ledger)}, but the answer is lost ({type(e).__name__}: {e})")
         say("journal", f"{recorded(second)}: it may or may not have happened", recorded(second))
         say("model", f"retries tool call {second}")
         refusal = call(second, charge, account="acct_bob", cents=4200)
@@ -142,7 +142,7 @@ def demo(db: str) -> None:
         say("backend", f"not called again; {len(backend.ledger)} charges so far")
         click.echo()
 
-        heading(f"3. The agent checks: read_balance(account='acct_bob'), tool call {third} (reversible)")
+        heading(f"3. Check: read_balance(account='acct_bob'), tool call {third} (a reversible tool)")
         say("backend", f"acct_bob was charged {_money(call(third, read_balance, account='acct_bob'))}")
         click.echo()
 
@@ -170,5 +170,6 @@ def demo(db: str) -> None:
             click.echo(f"   The backend has {found['charge_id']} for that key, so the operator settles it with:")
             value = orjson.dumps(found).decode()
             reason = f"backend ledger has {found['charge_id']} for this idempotency key"
-            click.echo(f"   airlock journal resolve {second} --db {shlex.quote(db)} --applied "
-                       f"--value {shlex.quote(value)} --reason {shlex.quote(reason)}")
+            click.echo(f"   airlock journal resolve {second} --db {shlex.quote(db)} --applied \\\n"
+                       f"       --value {shlex.quote(value)} \\\n"
+                       f"       --reason {shlex.quote(reason)}")

@@ -11,8 +11,15 @@ from tests.cli_support import count_events, invoke, rows, run_airlock
 
 
 def resolve_command(output: str) -> list[str]:
-    line = next(line for line in output.splitlines() if line.strip().startswith("airlock journal resolve "))
-    return shlex.split(line)[1:]
+    """The resolve command the demo prints, as a shell would split it (continuation lines joined)."""
+    lines = output.splitlines()
+    start = next(n for n, line in enumerate(lines) if line.strip().startswith("airlock journal resolve "))
+    command = []
+    for line in lines[start:]:
+        command.append(line.strip().removesuffix("\\"))
+        if not line.endswith("\\"):
+            break
+    return shlex.split(" ".join(command))[1:]
 
 
 def test_demo_charges_once_per_payment_and_ends_with_what_the_operator_sees(tmp_path: Path) -> None:
