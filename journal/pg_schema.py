@@ -7,8 +7,9 @@ A journal lives in one schema of a database: the first schema of the connection'
 - ``events``: the log, one column per field of an event (JSON fields as canonical text, ``at`` as
   its exported ISO-8601 text, so every hash is recomputed from exactly the stored bytes);
 - ``calls``: the projection, one row per call, written in the same transaction as its event;
-- ``chain_head``: one row with the last ``seq`` and ``hash``; every append locks it, which makes
-  ``seq`` gapless and the chain unbroken under any number of writers.
+- ``chain_head``: one row with the last ``seq`` and ``hash`` (and a ``generation`` that ``rebuild``
+  moves); every append updates it, so its row lock makes ``seq`` gapless and the chain unbroken
+  under any number of writers.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ _V1 = (
     CREATE TABLE chain_head (
         id smallint PRIMARY KEY DEFAULT 1 CHECK (id = 1),
         seq bigint NOT NULL,
-        hash text NOT NULL
+        hash text NOT NULL,
+        generation bigint NOT NULL DEFAULT 0
     )
     """,
     "INSERT INTO chain_head (id, seq, hash) VALUES (1, 0, repeat('0', 64))",

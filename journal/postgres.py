@@ -17,7 +17,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -38,6 +39,7 @@ from .rows import (
     EVENT_COLUMNS,
     call_row,
     event_from_row,
+    event_row,
     operator_event,
     projection_problem,
     record_from_row,
@@ -66,7 +68,41 @@ _UPSERT_CALL = (
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS if c != "call_id")
 )
 _LOCK_HEAD = "SELECT seq, hash FROM chain_head WHERE id = 1 FOR UPDATE"
+# The optimistic path: read the head and the call's row in one snapshot (no lock), decide, then
+# append in one round trip only if the head has not moved meanwhile (a compare-and-set on the
+# head row, whose lock is then held only while the server commits).
+_SNAPSHOT = (
+    f"SELECT h.seq, h.hash, h.generation, {', '.join('c.' + c for c in CALL_COLUMNS)} "
+    "FROM chain_head h LEFT JOIN calls c ON c.call_id = %s WHERE h.id = 1"
+)
+_TYPES = {"seq": "bigint", "attempt": "integer", "last_seq": "bigint"}
+
+
+def _casts(columns: Sequence[str]) -> str:
+    return ", ".join(f"%s::{_TYPES.get(c, 'text')}" for c in columns)
+
+
+_CAS_HEAD = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1 AND seq = %s AND generation = %s RETURNING seq"
+_CAS_EVENT = f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) SELECT {_casts(EVENT_COLUMNS)} FROM head"
+_CAS_CALL = (
+    f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) SELECT {_casts(CALL_COLUMNS)} FROM head "
+    "ON CONFLICT (call_id) DO UPDATE SET "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS if c != "call_id")
+)
+_CAS_APPEND = f"WITH head AS ({_CAS_HEAD}), event AS ({_CAS_EVENT}) SELECT count(*) FROM head"
+_CAS_APPEND_AND_PROJECT = (
+    f"WITH head AS ({_CAS_HEAD}), event AS ({_CAS_EVENT}), call AS ({_CAS_CALL}) SELECT count(*) FROM head"
+)
+_OPTIMISTIC_TRIES = 3
+_NO_RECORD_NEEDED = frozenset({"refused", "replayed"})  # they never change a call's record
 _SET_HEAD = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1"
+# One statement appends: the event, the projection row where it changes, the head.
+_APPEND = f"WITH event AS ({_INSERT_EVENT}) {_SET_HEAD}"
+_APPEND_AND_PROJECT = f"WITH event AS ({_INSERT_EVENT}), call AS ({_UPSERT_CALL}) {_SET_HEAD}"
+# Only pending must be durable before the tool runs; any other event may reach the disk with the
+# next flush (a lost outcome leaves the call pending: a replay is then refused, never re-run).
+# The WAL is written in order, so only a tail of such events can be lost: never a hole in the chain.
+_RELAXED = b"SET LOCAL synchronous_commit = off"
 
 
 def _describe(dsn: str) -> str:
@@ -88,6 +124,17 @@ def _record_or_none(row: tuple[Any, ...]) -> CallRecord | None:
         return record_from_row(row)
     except (ValueError, TypeError):
         return None
+
+
+class _ConnectionLost(JournalError):
+    """The connection died during a write whose COMMIT may have reached the server."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    seq: int
+    hash: str
+    generation: int
 
 
 class _Tx:
@@ -137,6 +184,7 @@ class PostgresJournal:
             "connect_timeout": max(1, round(connect_timeout)),
             "fallback_application_name": "airlock-journal",
         }
+        self._recent: tuple[_Head, str | None, CallRecord | None] | None = None
         self._suspect = False  # a connection failed lately: probe the server before waiting on the pool
         self._closed = False
         self._lock = threading.Lock()
@@ -250,12 +298,12 @@ class PostgresJournal:
                 self._pool.putconn(conn)
         raise AssertionError("unreachable")
 
-    def _write(self, doing: str, work: Callable[[Conn], T]) -> T:
+    def _write(self, doing: str, work: Callable[[Conn], T], pipeline: bool = True, retry: bool = True) -> T:
         """Run ``work`` in one write transaction (pipelined), committed on return.
 
         A connection found dead before anything could commit is replaced and ``work`` run again;
         a failure once COMMIT may have reached the server is never retried (it might have
-        committed) and raises :class:`JournalError`.
+        committed) and raises :class:`JournalError` (:class:`_ConnectionLost` when the connection died).
         """
         if self.readonly:
             raise JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
@@ -263,16 +311,22 @@ class PostgresJournal:
             conn = self._getconn(doing)
             tx = _Tx()
             try:
-                with conn.pipeline(), conn.transaction():
-                    result = work(conn)
-                    tx.committing = True
+                if pipeline:
+                    with conn.pipeline(), conn.transaction():
+                        result = work(conn)
+                        tx.committing = True
+                else:
+                    with conn.transaction():
+                        result = work(conn)
+                        tx.committing = True
                 return result
             except psycopg.Error as e:
-                if attempt == 1 and conn.broken and not tx.committing:
+                if retry and attempt == 1 and conn.broken and not tx.committing:
                     self._suspect = True
                     continue
                 if conn.broken:
                     self._suspect = True
+                    raise _ConnectionLost(str(self._translate(e, doing))) from e
                 raise self._translate(e, doing) from e
             finally:
                 self._pool.putconn(conn)
@@ -365,24 +419,74 @@ class PostgresJournal:
                        event: EffectEvent) -> JournalEvent:
         """Insert ``event`` as ``seq + 1`` after ``prev``, fold it into the projection, move the head."""
         stored, row = stamp(event, seq + 1, prev)
-        conn.execute(_INSERT_EVENT, row)
-        if event.call_id is not None:
-            updated = apply(record, event, stored.seq)
-            if updated is not None and updated is not record:
-                conn.execute(_UPSERT_CALL, call_row(updated))
-        conn.execute(_SET_HEAD, (stored.seq, stored.hash))
+        updated = apply(record, event, stored.seq) if event.call_id is not None else None
+        if updated is not None and updated is not record:
+            conn.execute(_APPEND_AND_PROJECT, (*row, *call_row(updated), stored.seq, stored.hash))
+        else:
+            conn.execute(_APPEND, (*row, stored.seq, stored.hash))
+        return stored
+
+    def _snapshot(self, call_id: str | None, doing: str) -> tuple[_Head, CallRecord | None]:
+        """The head and the call's record, read in one snapshot without a lock."""
+        rows = self._read(doing, _SNAPSHOT, (call_id,))
+        if not rows:
+            raise JournalError(f"cannot {doing}: the journal {self.name} has no chain head row; run verify")
+        row = rows[0]
+        record = self._decoded(record_from_row, row[3:]) if row[3] is not None else None
+        return _Head(int(row[0]), str(row[1]), int(row[2])), record
+
+    def _try_append(self, head: _Head, record: CallRecord | None, event: EffectEvent,
+                    doing: str) -> JournalEvent | None:
+        """Append ``event`` after ``head`` in one round trip, if the head is still there; None when
+        another writer moved it first (then nothing was written)."""
+        stored, row = stamp(event, head.seq + 1, head.hash)
+        updated = apply(record, event, stored.seq) if event.call_id is not None else None
+        project = updated is not None and updated is not record
+        cas = (stored.seq, stored.hash, head.seq, head.generation)
+        relaxed = event.kind != "pending"
+
+        def work(conn: Conn) -> psycopg.Cursor[tuple[Any, ...]]:
+            if relaxed:
+                conn.execute(_RELAXED)
+            if project:
+                assert updated is not None
+                return conn.execute(_CAS_APPEND_AND_PROJECT, (*cas, *row, *call_row(updated)))
+            return conn.execute(_CAS_APPEND, (*cas, *row))
+
+        try:
+            moved = self._write(doing, work).fetchone() != (1,)
+        except _ConnectionLost:
+            # In doubt: the compare-and-set either committed whole or not at all; look for it.
+            found = self._read(doing, "SELECT 1 FROM events WHERE seq = %s AND hash = %s", (stored.seq, stored.hash))
+            moved = not found
+        if moved:
+            return None
+        self._recent = (_Head(stored.seq, stored.hash, head.generation), event.call_id,
+                        updated if project else record)
         return stored
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
-        """Read the call's record, let ``decide`` choose, append its event: one transaction."""
+        """Read the call's record, let ``decide`` choose, append its event: atomically (the append
+        happens only if no other event was appended since the read; else it is decided again)."""
+        doing = "record the call"
+        if self.readonly:
+            raise JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
+        for _ in range(_OPTIMISTIC_TRIES):
+            head, record = self._snapshot(call_id, doing)
+            decision = decide(record)
+            if self._try_append(head, record, decision.event, doing) is not None:
+                return decision
 
-        def work(conn: Conn) -> Decision:
+        def work(conn: Conn) -> Decision:  # contended: wait for the head-row lock instead
             seq, prev, record = self._lock_and_read(conn, call_id)
             decision = decide(record)
+            if decision.event.kind != "pending":
+                conn.execute(_RELAXED)
             self._append_locked(conn, seq, prev, record, decision.event)
             return decision
 
-        return self._write("record the call", work)
+        self._recent = None
+        return self._write(doing, work)
 
     def append(self, event: EffectEvent) -> None:
         """Append an outcome or a refusal (folded into the projection where it applies)."""
@@ -390,12 +494,31 @@ class PostgresJournal:
 
     def append_event(self, event: EffectEvent) -> JournalEvent:
         """:meth:`append`, returning the event as stored (with its ``seq`` and ``hash``)."""
+        doing = f"record the {event.kind} event"
+        if self.readonly:
+            raise JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
+        recent = self._recent
+        if recent is not None:
+            # This object wrote last: when it still did, its head and record are current.
+            head, call_id, record = recent
+            if call_id == event.call_id or event.call_id is None or event.kind in _NO_RECORD_NEEDED:
+                stored = self._try_append(head, record if call_id == event.call_id else None, event, doing)
+                if stored is not None:
+                    return stored
+        for _ in range(_OPTIMISTIC_TRIES - 1):
+            head, found = self._snapshot(event.call_id, doing)
+            stored = self._try_append(head, found, event, doing)
+            if stored is not None:
+                return stored
 
         def work(conn: Conn) -> JournalEvent:
             seq, prev, record = self._lock_and_read(conn, event.call_id)
+            if event.kind != "pending":
+                conn.execute(_RELAXED)
             return self._append_locked(conn, seq, prev, record, event)
 
-        return self._write(f"record the {event.kind} event", work)
+        self._recent = None
+        return self._write(doing, work)
 
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
@@ -591,9 +714,38 @@ class PostgresJournal:
             conn.execute(b"DELETE FROM calls")
             with conn.cursor() as cur:
                 cur.executemany(_UPSERT_CALL, [call_row(r) for r in folded.values()])
+            # Writers that read the old projection must read again: their compare-and-set now fails.
+            conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
             return len(folded)
 
-        return self._write("rebuild the projection", work)
+        return self._write("rebuild the projection", work, pipeline=False)
+
+    def import_events(self, events: Iterable[JournalEvent]) -> int:
+        """Insert stored ``events`` (``seq`` from 1, in order) as they are, with their hashes, and the
+        projection folded from them, into this empty journal in one transaction; returns the number
+        of calls. Raises :class:`JournalError` when the journal already holds events (nothing is
+        changed then). Used by :func:`journal.copy.copy_journal`, which verifies the result."""
+
+        def work(conn: Conn) -> int:
+            seq, _hash = conn.execute(_LOCK_HEAD).fetchone() or (0, GENESIS)
+            if seq or conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
+                raise JournalError(f"the destination {self.name} is not empty; copy only into a new journal")
+            folded: dict[str, CallRecord] = {}
+            last: JournalEvent | None = None
+            with conn.cursor().copy(f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN".encode()) as copy:
+                for event in events:
+                    copy.write_row(event_row(event))
+                    fold_into(folded, event)
+                    last = event
+            with conn.cursor() as cur:
+                cur.executemany(_UPSERT_CALL, [call_row(r) for r in folded.values()])
+            if last is not None:
+                conn.execute(_SET_HEAD, (last.seq, last.hash))
+            conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
+            return len(folded)
+
+        # Not retried: the events are consumed as they are copied.
+        return self._write("copy events into the journal", work, pipeline=False, retry=False)
 
     # -- operators ----------------------------------------------------------------------------
 

@@ -210,14 +210,15 @@ def test_a_restart_during_a_tool_and_the_outage_are_clear_and_lose_nothing(
     journal.close()
 
 
-def _steady_replica(dsn: str, ledger: str, prefix: str, seconds: float, results: Any) -> None:
+def _steady_replica(dsn: str, ledger: str, prefix: str, started: Any, stop: Any, results: Any) -> None:
     logging.disable(logging.CRITICAL)  # the outage is expected; its log lines are not the point
     journal = PostgresJournal(dsn, busy_timeout=20.0, connect_timeout=2.0, pool_size=2)
     charge = make_charge(journal, ledger)
     seen = []
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + 120  # a bound for a parent that never says stop
     n = 0
-    while time.monotonic() < deadline:
+    started.release()
+    while not stop.is_set() and time.monotonic() < deadline:
         n += 1
         call_id = f"{prefix}-{n}"
         with AirlockContext(metadata={"tool_call_id": call_id}):
@@ -237,14 +238,18 @@ def test_replicas_through_a_server_restart_lose_and_double_nothing(
         pytest.skip("the tests do not restart an external server")
     PostgresJournal(pg_dsn).close()
     ledger = tmp_path / "ledger"
-    results = SPAWN.Queue()
-    replicas = [SPAWN.Process(target=_steady_replica, args=(pg_dsn, str(ledger), f"r{k}", 6.0, results))
+    results, started, stop = SPAWN.Queue(), SPAWN.Semaphore(0), SPAWN.Event()
+    replicas = [SPAWN.Process(target=_steady_replica, args=(pg_dsn, str(ledger), f"r{k}", started, stop, results))
                 for k in range(2)]
     for p in replicas:
         p.start()
-    time.sleep(2.0)
+    for _ in replicas:
+        assert started.acquire(timeout=60)
+    time.sleep(1.0)
     pg_server.restart(mode, down_for=1.0)  # "immediate" is a crash: recovery replays the WAL
     restarted_at = time.monotonic()
+    time.sleep(2.0)
+    stop.set()
     seen = [call for _ in replicas for call in results.get(timeout=120)]
     for p in replicas:
         p.join(timeout=60)

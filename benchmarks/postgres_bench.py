@@ -1,0 +1,208 @@
+"""What a guarded call on PostgresJournal costs, against raw transactions on the same server.
+
+Prints, in one run on one server:
+
+- one process: a raw INSERT transaction of an event-sized row (pipelined: BEGIN, INSERT and COMMIT in
+  one round trip, the least a durable append can cost; and plain, one round trip per statement),
+  the same with the chain-head row locked and updated (what serialising the appends adds), and a
+  guarded call with a fresh tool call id and a replay, with the ratio of the fresh call to the
+  pipelined raw transaction (target: within 2x);
+- 8 processes with distinct ids: raw INSERT transactions without and with the head-row lock, and
+  guarded fresh calls, in transactions or calls per second.
+
+Without ``--dsn`` it starts a throwaway cluster (tests/pgserver.py, default settings: fsync and
+synchronous_commit on) and removes it afterwards.
+
+    python benchmarks/postgres_bench.py [--dsn URL] [--calls N] [--rounds R] [--procs P] [--seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from guard import Airlock, AirlockContext, SecurityPolicy
+from guard.effect_guard import EffectGuard
+from journal.postgres import PostgresJournal
+
+_ROW = ("2026-12-01T05:23:06.123456Z", "pending", "charge", "agent-1", "k" * 64,
+        '{"account":"acct-1","cents":500}', "guard", 1, '{"host":"bench","pid":1}', "0" * 64, "f" * 64)
+# The raw tables live in a schema of their own: the journal's schema must hold only the journal.
+_RAW_TABLE = """
+CREATE SCHEMA IF NOT EXISTS bench_raw;
+CREATE TABLE IF NOT EXISTS bench_raw.raw_events (
+    seq bigserial PRIMARY KEY, at text, call_id text, kind text, tool text, agent_id text,
+    idempotency_key text, arguments text, actor text, attempt integer, owner text, prev_hash text, hash text
+);
+CREATE INDEX IF NOT EXISTS raw_events_call_id ON bench_raw.raw_events (call_id, seq);
+CREATE TABLE IF NOT EXISTS bench_raw.raw_head (id smallint PRIMARY KEY, seq bigint, hash text);
+INSERT INTO bench_raw.raw_head VALUES (1, 0, '') ON CONFLICT DO NOTHING;
+"""
+_INSERT = ("INSERT INTO bench_raw.raw_events (at, call_id, kind, tool, agent_id, idempotency_key, arguments, actor, "
+           "attempt, owner, prev_hash, hash) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)")
+
+
+def raw(dsn: str, *, locked: bool, pipelined: bool) -> Callable[[int], float]:
+    """One raw INSERT transaction per op; ``locked`` also locks and updates the head row first."""
+    conn = psycopg.connect(dsn, autocommit=True)
+
+    def one(n: int) -> None:
+        if locked:
+            conn.execute("SELECT seq FROM bench_raw.raw_head WHERE id = 1 FOR UPDATE")
+        conn.execute(_INSERT, (_ROW[0], f"raw-{n}", *_ROW[1:]))
+        if locked:
+            conn.execute("UPDATE bench_raw.raw_head SET seq = seq + 1, hash = %s WHERE id = 1", ("f" * 64,))
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            if pipelined:
+                with conn.pipeline(), conn.transaction():
+                    one(i)
+            else:
+                with conn.transaction():
+                    one(i)
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
+def guarded(journal: PostgresJournal, replay: bool) -> Callable[[int], float]:
+    """Guarded calls of one tool: each with a fresh tool call id, or all replays of one call."""
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(account: str, cents: int) -> dict[str, Any]:
+        return {"charge_id": "ch_1", "cents": cents}
+
+    prefix = uuid.uuid4().hex[:8]
+    with AirlockContext(agent_id="agent-1", metadata={"tool_call_id": f"{prefix}-replayed"}):
+        charge("acct-1", 500)
+    counter = [0]
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            counter[0] += 1
+            call_id = f"{prefix}-replayed" if replay else f"{prefix}-{counter[0]}"
+            with AirlockContext(agent_id="agent-1", metadata={"tool_call_id": call_id}):
+                charge("acct-1", 500)
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
+def interleaved(runs: dict[str, Callable[[int], float]], calls: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per op of each run, for each round; every round runs each one in turn."""
+    for run in runs.values():
+        run(max(10, calls // 10))  # warm up: connections, prepared statements
+    timings: dict[str, list[float]] = {key: [] for key in runs}
+    for _ in range(rounds):
+        for key, run in runs.items():
+            timings[key].append(run(calls))
+    return timings
+
+
+# -- many processes --------------------------------------------------------------------------------
+
+
+def _worker(kind: str, dsn: str, seconds: float, barrier: Any, results: Any) -> None:
+    if kind == "guarded":
+        journal = PostgresJournal(dsn, pool_size=1)
+        run = guarded(journal, replay=False)
+    else:
+        run = raw(dsn, locked=kind == "raw-locked", pipelined=True)
+    run(20)
+    barrier.wait()
+    done, deadline = 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        run(10)
+        done += 10
+    results.put(done)
+
+
+def throughput(kind: str, dsn: str, procs: int, seconds: float) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_worker, args=(kind, dsn, seconds, barrier, results)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    total = sum(results.get(timeout=seconds + 120) for _ in workers)
+    for w in workers:
+        w.join()
+    return total / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dsn", help="an existing server's database (default: a throwaway cluster)")
+    parser.add_argument("--calls", type=int, default=500, help="ops per round (one process)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is shown")
+    parser.add_argument("--procs", type=int, default=8, help="processes for the throughput figures")
+    parser.add_argument("--seconds", type=float, default=5.0, help="seconds per throughput figure")
+    args = parser.parse_args()
+
+    server = None
+    if args.dsn:
+        dsn = args.dsn
+    else:
+        from tests import pgserver
+
+        server = pgserver.server()
+        dsn = pgserver.fresh_database(server)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(_RAW_TABLE.encode())
+            version = conn.execute("SHOW server_version").fetchone()
+            settings = dict(conn.execute(
+                "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit')"
+            ).fetchall())
+        journal = PostgresJournal(dsn, pool_size=2)
+        print(f"PostgreSQL {version[0] if version else '?'}: fsync={settings.get('fsync')}, "
+              f"synchronous_commit={settings.get('synchronous_commit')}; median of {args.rounds} rounds "
+              f"of {args.calls}")
+        print("one process, per op (rounds interleaved: the disk's fsync latency drifts):")
+        runs = {
+            "floor": ("raw INSERT transaction, pipelined (the floor)", raw(dsn, locked=False, pipelined=True)),
+            "plain": ("raw INSERT transaction, a round trip per statement",
+                      raw(dsn, locked=False, pipelined=False)),
+            "locked": ("raw INSERT + head-row lock and update, pipelined", raw(dsn, locked=True, pipelined=True)),
+            "fresh": ("guarded call, fresh tool call id (pending + committed)", guarded(journal, replay=False)),
+            "replay": ("guarded call, replay of a committed call", guarded(journal, replay=True)),
+        }
+        timings = interleaved({k: run for k, (_, run) in runs.items()}, args.calls, args.rounds)
+        for key, (label, _) in runs.items():
+            print(f"  {label:<58} {statistics.median(timings[key]) * 1e3:8.3f} ms")
+        for key, what in (("fresh", "fresh guarded call"), ("replay", "replay"), ("locked", "head-row lock")):
+            ratios = [t / f for t, f in zip(timings[key], timings["floor"], strict=True)]
+            print(f"  {what + ' / floor:':<30} {statistics.median(ratios):.2f}x"
+                  f"{'  (target: within 2x)' if key == 'fresh' else ''}")
+        journal.close()
+
+        print(f"{args.procs} processes, distinct ids, {args.seconds:g} s each:")
+        raw_free = throughput("raw", dsn, args.procs, args.seconds)
+        raw_locked = throughput("raw-locked", dsn, args.procs, args.seconds)
+        calls = throughput("guarded", dsn, args.procs, args.seconds)
+        print(f"  raw INSERT transactions, no lock              {raw_free:9.0f} tx/s")
+        print(f"  raw INSERT transactions + head-row lock       {raw_locked:9.0f} tx/s"
+              f"  ({raw_locked / raw_free:.2f}x of no lock)")
+        print(f"  guarded fresh calls (2 transactions each)     {calls:9.0f} calls/s")
+    finally:
+        if server is not None:
+            from tests import pgserver
+
+            pgserver.shutdown()
+
+
+if __name__ == "__main__":
+    main()

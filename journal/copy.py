@@ -1,0 +1,130 @@
+"""Copy a journal to another store (SQLite to PostgreSQL, or back), preserving every ``seq`` and hash.
+
+The stored events are inserted as they are, the projection is recomputed by the fold, and the copy
+is verified: its chain must check and its head must equal the source's. The destination must be
+empty; the source is only read.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from guard.store import CallRecord
+
+from .errors import JournalError
+from .events import JournalEvent
+from .open import open_journal
+from .projection import fold_into
+from .rows import CALL_COLUMNS, EVENT_COLUMNS, call_row, event_row
+from .sqlite import SQLiteJournal
+
+__all__ = ["CopyReport", "copy_journal", "import_events"]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyReport:
+    """What was copied: ``events``, ``calls`` (projection rows) and the ``head`` hash both share."""
+
+    events: int
+    calls: int
+    head: str
+
+
+def _bounded(events: Iterable[JournalEvent], last_seq: int,
+             progress: Callable[[int], None] | None) -> Iterator[JournalEvent]:
+    """The source's events up to ``last_seq`` (a writer's later events are not part of the copy)."""
+    for event in events:
+        if event.seq > last_seq:
+            return
+        yield event
+        if progress is not None:
+            progress(1)
+
+
+def _check_chain(events: Iterable[JournalEvent]) -> Iterator[JournalEvent]:
+    """Pass the events through, refusing one that does not follow the one before."""
+    expected = 1
+    for event in events:
+        if event.seq != expected:
+            raise JournalError(f"the source's seq {event.seq} follows seq {expected - 1}: events are missing")
+        expected += 1
+        yield event
+
+
+def _folding(events: Iterable[JournalEvent], folded: dict[str, CallRecord]) -> Iterator[JournalEvent]:
+    for event in events:
+        fold_into(folded, event)
+        yield event
+
+
+def _import_sqlite(journal: SQLiteJournal, events: Iterable[JournalEvent]) -> int:
+    folded: dict[str, CallRecord] = {}
+
+    def step(conn: sqlite3.Connection) -> int:
+        if conn.execute("SELECT EXISTS (SELECT 1 FROM events)").fetchone()[0]:
+            raise JournalError(f"the destination {journal.path} is not empty; copy only into a new journal")
+        marks = ", ".join("?" * len(EVENT_COLUMNS))
+        conn.executemany(f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) VALUES ({marks})",
+                         (event_row(e) for e in _folding(events, folded)))
+        conn.execute("DELETE FROM calls")
+        marks = ", ".join("?" * len(CALL_COLUMNS))
+        conn.executemany(f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) VALUES ({marks})",
+                         (call_row(r) for r in folded.values()))
+        return len(folded)
+
+    try:
+        return journal._write("FULL", step)
+    except sqlite3.Error as e:
+        raise JournalError(f"cannot copy into the journal {journal.path}: {e}") from e
+
+
+def import_events(destination: Any, events: Iterable[JournalEvent]) -> int:
+    """Insert stored ``events`` (in ``seq`` order from 1) into the empty journal ``destination`` as
+    they are, and its projection folded from them, in one transaction; returns the number of calls.
+
+    Raises :class:`JournalError` when the destination is not empty (nothing is changed then) or
+    the events do not follow one another.
+    """
+    if isinstance(destination, SQLiteJournal):
+        return _import_sqlite(destination, _check_chain(events))
+    importer = getattr(destination, "import_events", None)
+    if importer is None:
+        raise JournalError(f"cannot copy into {destination!r}: it is not a journal")
+    return int(importer(_check_chain(events)))
+
+
+def copy_journal(
+    source: str,
+    destination: str,
+    *,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> CopyReport:
+    """Copy the journal at ``source`` (a path or URL, only read) into ``destination`` (created when
+    missing, and it must hold no events), then verify the copy.
+
+    ``on_total`` is told how many events will be copied, ``progress`` is called once per event.
+    Raises :class:`JournalError` (and its kinds): a missing, foreign or broken source, a non-empty
+    destination, or a copy that does not verify.
+    """
+    with open_journal(source, readonly=True, create=False) as src:
+        checked = src.verify()
+        if not checked.ok:
+            raise JournalError(
+                f"the source {source} does not verify (seq {checked.first_bad_seq}: {checked.problem}); "
+                "it was not copied"
+            )
+        last_seq, head = src.head()
+        if on_total is not None:
+            on_total(last_seq)
+        with open_journal(destination, create=True) as dst:
+            calls = import_events(dst, _bounded(src.events(), last_seq, progress))
+            copied = dst.verify()
+            if not copied.ok or (copied.events, copied.head) != (last_seq, head):
+                raise JournalError(
+                    f"the copy in {destination} does not verify: {copied.problem or 'its head differs'}"
+                )
+    return CopyReport(events=last_seq, calls=calls, head=head)
