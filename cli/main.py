@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from .copy import copy
 from .demo import demo
 from .journal import journal
 from .options import Group
@@ -22,6 +23,7 @@ def main() -> None:
     """
 
 
+journal.add_command(copy)
 main.add_command(journal)
 main.add_command(demo)
 
