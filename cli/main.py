@@ -17,8 +17,10 @@ def main() -> None:
 
     Example:
 
+    \b
         airlock demo
 
+    \b
         airlock journal show --status unknown --db airlock-demo.db
     """
 
