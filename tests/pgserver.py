@@ -165,7 +165,8 @@ class PgServer:
 def _start_managed() -> PgServer:
     bindir = _find_bindir()
     user = _run_as()
-    root = Path(tempfile.mkdtemp(prefix="airlock-pg-"))
+    # The server's user must reach its data dir: under /tmp, whatever TMPDIR says (it may be private).
+    root = Path(tempfile.mkdtemp(prefix="airlock-pg-", dir="/tmp" if user is not None else None))
     if user is not None:
         os.chown(root, user.pw_uid, user.pw_gid)
     root.chmod(0o700)
