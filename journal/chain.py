@@ -15,9 +15,8 @@ from typing import Any
 import orjson
 
 from guard.canonical import canonical_bytes
-from guard.store import format_at
 
-from .events import JournalEvent, VerifyReport, text_sha256
+from .events import JournalEvent, VerifyReport, at_text, text_sha256
 
 __all__ = ["GENESIS", "ChainCheck", "compute_hash", "event_body", "hash_of", "verify_lines"]
 
@@ -71,7 +70,7 @@ def compute_hash(prev_hash: str, body: Mapping[str, Any]) -> str:
 def hash_of(event: JournalEvent) -> str:
     """The hash ``event`` should carry, recomputed from its stored fields and its ``prev_hash``."""
     return compute_hash(event.prev_hash, event_body(
-        seq=event.seq, at=format_at(event.at), call_id=event.call_id, kind=event.kind, tool=event.tool,
+        seq=event.seq, at=at_text(event.at), call_id=event.call_id, kind=event.kind, tool=event.tool,
         agent_id=event.agent_id, idempotency_key=event.idempotency_key,
         arguments_sha256=text_sha256(event.arguments), value_sha256=text_sha256(event.value),
         error=event.error, reason=event.reason, actor=event.actor, attempt=event.attempt, owner=event.owner,

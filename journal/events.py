@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
 from guard.store import EffectEvent, format_at
 
-__all__ = ["JournalEvent", "JournalStats", "VerifyReport", "REDACTABLE", "text_sha256"]
+__all__ = ["REDACTABLE", "JournalEvent", "JournalStats", "VerifyReport", "at_text", "text_sha256"]
 
 # Only these enter the hash as digests, so only these can be blanked out of a verifiable export.
 REDACTABLE: frozenset[str] = frozenset({"arguments", "value"})
+
+
+def at_text(at: datetime) -> str:
+    """``guard.store.format_at(at)`` (``2026-12-01T05:23:06.123456Z``), faster for aware UTC times."""
+    if at.tzinfo is UTC and at.year >= 1000:
+        return at.isoformat(timespec="microseconds")[:-6] + "Z"
+    return format_at(at)
 
 
 def text_sha256(text: str | None) -> str | None:
@@ -70,7 +77,7 @@ class JournalEvent:
             )
         line: dict[str, Any] = {
             "seq": self.seq,
-            "at": format_at(self.at),
+            "at": at_text(self.at),
             "call_id": self.call_id,
             "kind": self.kind,
             "tool": self.tool,

@@ -1,10 +1,11 @@
 """The SQLite journal: an EffectStore on one file that processes on one host share.
 
 Writes run in ``BEGIN IMMEDIATE`` transactions on a WAL database; the event insert and the
-projection update share one. With ``durability="full"`` a transaction that records ``pending`` is
-committed with ``synchronous=FULL`` (fsynced before ``begin`` returns); every other transaction is
-committed with ``synchronous=NORMAL`` and becomes durable with the next fsync, so a guarded call
-costs one fsync.
+projection update share one. The transactions of a guarded call commit with ``synchronous=NORMAL``.
+With ``durability="full"``, ``begin`` then waits, before it lets the tool run, until the WAL file has
+been fsynced after that commit: the first waiting thread fsyncs it for every commit made so far while
+the others wait for it (group commit), so a guarded call costs one fsync, and calls made at the same
+time by several threads share one. Every other event becomes durable with the next fsync.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .errors import (
     NotResolvable,
     StoreBusy,
 )
-from .events import JournalEvent, JournalStats, VerifyReport, text_sha256
+from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
 from .owner import owner_alive
 from .projection import fold_into
 
@@ -44,9 +45,10 @@ T = TypeVar("T")
 Durability = Literal["full", "process"]
 
 _FULL, _NORMAL = "FULL", "NORMAL"
+# What SQLite itself syncs the WAL with where it can: the data, and the metadata needed to read it.
+_fdatasync = getattr(os, "fdatasync", os.fsync)
 _BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 _BATCH = 1000
-_SEEN_LIMIT = 4096
 _SORTED = orjson.OPT_SORT_KEYS
 # Connections inherited through fork are never used or closed in the child (closing one could
 # checkpoint and delete a WAL that the parent still writes); they are parked here instead.
@@ -81,10 +83,6 @@ _SELECT_HEAD_AND_CALL = (
 )
 
 
-class _NeedsFull(Exception):
-    """The transaction would record ``pending`` at synchronous=NORMAL: roll back, redo at FULL."""
-
-
 def _busy(e: sqlite3.Error) -> bool:
     return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
 
@@ -97,13 +95,6 @@ def _json_text(obj: Mapping[str, Any] | None) -> str | None:
         return orjson.dumps(obj if type(obj) is dict else dict(obj), option=_SORTED).decode()
     except TypeError:
         return canonical_bytes(dict(obj)).decode()
-
-
-def _at_text(at: datetime) -> str:
-    """``format_at(at)``, faster for the aware UTC datetimes the guard makes."""
-    if at.tzinfo is UTC and at.year >= 1000:
-        return at.isoformat(timespec="microseconds")[:-6] + "Z"
-    return format_at(at)
 
 
 def _parse(text: str) -> datetime:
@@ -164,7 +155,7 @@ def _call_row(record: CallRecord, known: dict[int, str | None] | None = None) ->
 
     def when(t: datetime) -> str:
         done = known.get(id(t))
-        return done if done is not None else _at_text(t)
+        return done if done is not None else at_text(t)
 
     return (
         record.call_id, record.tool, record.status, record.attempt, record.agent_id, record.idempotency_key,
@@ -233,7 +224,7 @@ class SQLiteJournal:
         self._sync: str | None = None
         self._owner: tuple[object, str | None] = (object(), None)
         self._arguments: tuple[str | None, str | None] = (None, None)
-        self._seen: dict[str, str] = {}  # call_id -> the status this object last saw: only a guess
+        self._reset_group()
         self._closed = False
         self._conn = self._open()
         self._forks = _FORKS[0]
@@ -321,6 +312,9 @@ class SQLiteJournal:
             _INHERITED.append(self._conn)
             self._forks = _FORKS[0]
             self._sync = None
+            if self._wal_fd is not None:
+                os.close(self._wal_fd)  # the child's own copy; the parent's stays open
+            self._reset_group()
             self._conn = self._open()
         return self._conn
 
@@ -377,8 +371,6 @@ class SQLiteJournal:
                         if conn.in_transaction:
                             conn.execute("ROLLBACK")
                         raise
-                except _NeedsFull:
-                    sync = _FULL
                 except sqlite3.Error as e:
                     waited = self._wait(conn, e, deadline)
         finally:
@@ -401,26 +393,69 @@ class SQLiteJournal:
 
         Raises :class:`StoreBusy` past the busy deadline, :class:`JournalError` on any other failure.
         """
-        full = self.durability == "full"
 
         def step(conn: sqlite3.Connection) -> Decision:
             head, record = _head_and_record(conn, call_id)
             decision = decide(record)
-            if full and self._sync != _FULL and decision.event.kind == "pending":
-                raise _NeedsFull
             self._append(conn, decision.event, record, head)
             return decision
 
         with self._lock:
-            sync = _NORMAL
-            if full:
-                # Guess from the status last seen whether the call will run, as only then is an fsync
-                # needed: a call not seen or released runs; a committed one (for good) is replayed;
-                # a pending or unknown one is refused unless the tool is reversible. A wrong guess
-                # costs an fsync for nothing, or a transaction redone at FULL (see step).
-                seen = self._seen.get(call_id)
-                sync = _FULL if seen is None or seen == "released" else _NORMAL
-            return self._transaction(self._connection(), sync, step)
+            decision = self._transaction(self._connection(), _NORMAL, step)
+            if self.durability != "full" or decision.event.kind != "pending":
+                return decision
+            self._written += 1
+            ticket = self._written
+        self._wait_durable(ticket)
+        return decision
+
+    # -- group commit --------------------------------------------------------------------------
+
+    def _reset_group(self) -> None:
+        self._group = threading.Condition()
+        self._written = 0  # commits of this object that begin must see on disk, counted in order
+        self._synced = 0  # how many of them an fsync has covered
+        self._syncing = False
+        self._wal_fd: int | None = None
+
+    def _wait_durable(self, ticket: int) -> None:
+        """Return once the first ``ticket`` counted commits are on disk.
+
+        A thread that finds no fsync running starts one for every commit counted so far; the others
+        wait for it, and those it did not cover (they committed after it started) start the next.
+        """
+        group = self._group
+        with group:
+            while self._synced < ticket and self._syncing:
+                group.wait()
+            if self._synced >= ticket:
+                return
+            self._syncing = True
+            covered = self._written
+        synced = False
+        try:
+            self._sync_wal()
+            synced = True
+        finally:
+            with group:
+                self._syncing = False
+                if synced:
+                    self._synced = max(self._synced, covered)
+                group.notify_all()
+
+    def _sync_wal(self) -> None:
+        """fsync the WAL file, where the commits are until a checkpoint (which fsyncs them itself)."""
+        wal = f"{self.path}-wal"
+        try:
+            fd = self._wal_fd
+            if fd is None or os.fstat(fd).st_ino != os.stat(wal).st_ino:
+                if fd is not None:
+                    self._wal_fd = None
+                    os.close(fd)
+                self._wal_fd = fd = os.open(wal, os.O_RDWR)
+            _fdatasync(fd)
+        except OSError as e:
+            raise JournalError(f"The journal {self.path} could not be synced to disk: {e.strerror or e}.") from e
 
     def append(self, event: EffectEvent) -> None:
         """Record an outcome or a refusal outside ``begin``; it becomes durable with the next fsync."""
@@ -442,7 +477,7 @@ class SQLiteJournal:
     ) -> tuple[int, str, str]:
         """Insert ``event`` after ``head`` and fold it into the projection; returns (seq, prev, hash)."""
         seq, prev = head[0] + 1, head[1]
-        at_text = _at_text(event.at)
+        at = at_text(event.at)
         error, reason, owner = _plain(event.error), _plain(event.reason), _plain(event.owner)
         error_text, reason_text = _json_text(error), _json_text(reason)
         if owner is not self._owner[0]:
@@ -452,23 +487,19 @@ class SQLiteJournal:
         if arguments != self._arguments[0]:
             self._arguments = (arguments, text_sha256(arguments))  # a call's events repeat its arguments
         digest = compute_hash(prev, {
-            "seq": seq, "at": at_text, "call_id": event.call_id, "kind": event.kind, "tool": event.tool,
+            "seq": seq, "at": at, "call_id": event.call_id, "kind": event.kind, "tool": event.tool,
             "agent_id": event.agent_id, "idempotency_key": event.idempotency_key,
             "arguments_sha256": self._arguments[1], "value_sha256": text_sha256(value),
             "error": error, "reason": reason, "actor": event.actor, "attempt": event.attempt, "owner": owner,
         })
         conn.execute(_INSERT_EVENT, (
-            seq, at_text, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
+            seq, at, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
             arguments, value, error_text, reason_text, event.actor, event.attempt, owner_text, prev, digest,
         ))
         folded = apply(record, event, seq)
-        if folded is not None:
-            if len(self._seen) >= _SEEN_LIMIT:
-                self._seen.clear()
-            self._seen[folded.call_id] = folded.status
         if folded is not None and folded is not record:
             conn.execute(_UPSERT_CALL, _call_row(folded, {
-                id(event.at): at_text, id(event.error): error_text, id(event.reason): reason_text,
+                id(event.at): at, id(event.error): error_text, id(event.reason): reason_text,
                 id(event.owner): owner_text,
             }))
         return seq, prev, digest
@@ -707,6 +738,10 @@ class SQLiteJournal:
                     self._conn.close()
                 else:
                     _INHERITED.append(self._conn)
+                with self._group:
+                    if self._wal_fd is not None:
+                        os.close(self._wal_fd)
+                        self._wal_fd = None
 
     def __enter__(self) -> SQLiteJournal:
         return self

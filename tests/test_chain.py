@@ -5,15 +5,19 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from guard.store import EffectEvent, parse_at
+from guard.store import EffectEvent, format_at, parse_at
 from journal import SQLiteJournal
 from journal.chain import GENESIS, compute_hash, event_body, verify_lines
+from journal.events import at_text
 
 
 @pytest.fixture
@@ -196,3 +200,10 @@ def test_malformed_lines_are_reported_not_raised(journal: SQLiteJournal) -> None
 def test_empty_stream_verifies_to_genesis() -> None:
     report = verify_lines([])
     assert (report.ok, report.events, report.head) == (True, 0, GENESIS)
+
+
+@given(st.datetimes(min_value=datetime(2, 1, 1), max_value=datetime(9999, 12, 30),
+                    timezones=st.sampled_from([UTC, timezone(timedelta(hours=5, minutes=30))])))
+def test_the_fast_time_text_is_the_exported_one(at: datetime) -> None:
+    assert at_text(at) == format_at(at)
+    assert at_text(at.replace(microsecond=0)).endswith(".000000Z")
