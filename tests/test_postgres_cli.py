@@ -1,0 +1,117 @@
+"""Every CLI command works the same on a PostgreSQL journal: run on a SQLite journal and on its copy
+in PostgreSQL, a command prints the same, and its errors are the same one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from journal.copy import copy_journal
+from journal.postgres import PostgresJournal
+from tests.cli_support import invoke, leave_pending, seed
+from tests.pgserver import PgServer
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def both(tmp_path: Path, pg_dsn: str) -> tuple[str, str]:
+    """A seeded SQLite journal and its copy in PostgreSQL (same events, seq and hashes)."""
+    path = tmp_path / "j.db"
+    seed(path)
+    leave_pending(path, "call-dead")
+    copy_journal(str(path), pg_dsn)
+    return str(path), pg_dsn
+
+
+def contents(dsn: str) -> list[Any]:
+    with psycopg.connect(dsn) as conn:
+        return [conn.execute(f"SELECT * FROM {t} ORDER BY 1".encode()).fetchall()
+                for t in ("events", "calls", "chain_head", "airlock_journal_meta")]
+
+
+@pytest.mark.parametrize("args", [
+    ["show", "--json"],
+    ["show", "--json", "--status", "unknown"],
+    ["show", "--json", "--tool", "charge", "--limit", "2"],
+    ["show", "--json", "--agent", "agent-2"],
+    ["show", "call-ok", "--json"],
+    ["show", "call-refused", "--json"],
+    ["export"],
+    ["export", "--format", "csv"],
+    ["export", "--redact", "arguments,value", "--call", "call-ok"],
+    ["export", "--tool", "charge", "--since", "1h"],
+    ["verify"],
+    ["stats", "--json"],
+])
+def test_a_command_that_reads_prints_the_same_on_both(both: tuple[str, str], args: list[str]) -> None:
+    sqlite_db, pg_db = both
+    before = contents(pg_db)
+    on_sqlite = invoke("journal", *args, "--db", sqlite_db)
+    on_pg = invoke("journal", *args, "--db", pg_db)
+    assert on_sqlite.exit_code == on_pg.exit_code == 0, on_pg.output
+    assert on_pg.stdout == on_sqlite.stdout
+    assert contents(pg_db) == before  # reading changed nothing
+
+
+def test_resolve_on_postgres(both: tuple[str, str]) -> None:
+    sqlite_db, pg_db = both
+    for db in (sqlite_db, pg_db):
+        result = invoke("journal", "resolve", "call-dead", "--not-applied", "--reason", "no such charge",
+                        "--operator", "ops", "--db", db)
+        assert result.exit_code == 0, result.output
+        assert "released by operator:ops" in result.stdout
+    with PostgresJournal(pg_db, readonly=True) as j:
+        record = j.get("call-dead")
+        assert record is not None and record.status == "released"
+        assert j.verify().ok
+    shown = [invoke("journal", "show", "call-dead", "--json", "--db", db).stdout for db in both]
+    assert '"status":"released"' in shown[1].replace(" ", "")
+
+
+@pytest.mark.parametrize("args", [
+    ["show", "no-such-call"],
+    ["resolve", "call-ok", "--applied", "--reason", "r", "--operator", "ops"],  # committed: not resolvable
+    ["resolve", "no-such-call", "--not-applied", "--reason", "r", "--operator", "ops"],
+])
+def test_errors_are_the_same_one_line_and_change_nothing(both: tuple[str, str], args: list[str]) -> None:
+    sqlite_db, pg_db = both
+    before = contents(pg_db)
+    results = [invoke("journal", *args, "--db", db) for db in (sqlite_db, pg_db)]
+    for result in results:
+        assert result.exit_code == 1
+        assert result.stderr.startswith("Error: ") and len(result.stderr.strip().splitlines()) == 1
+    assert contents(pg_db) == before
+
+
+def test_usage_errors_exit_2_on_postgres(both: tuple[str, str]) -> None:
+    _, pg_db = both
+    before = contents(pg_db)
+    result = invoke("journal", "resolve", "call-dead", "--applied", "--value", "{nope", "--reason", "r",
+                    "--db", pg_db)
+    assert result.exit_code == 2
+    assert contents(pg_db) == before
+
+
+def test_rebuild_on_postgres(both: tuple[str, str]) -> None:
+    _, pg_db = both
+    with psycopg.connect(pg_db) as conn:
+        conn.execute("UPDATE calls SET status = 'released' WHERE call_id = 'call-ok'")
+    broken = invoke("journal", "verify", "--db", pg_db)
+    assert broken.exit_code == 1 and "projection" in broken.stderr
+    assert invoke("journal", "rebuild", "--db", pg_db).exit_code == 0
+    assert invoke("journal", "verify", "--db", pg_db).exit_code == 0
+
+
+@pytest.mark.parametrize("command", [["show"], ["verify"], ["stats"], ["export"]])
+def test_a_command_that_reads_never_creates_a_postgres_journal(pg_dsn: str, pg_server: PgServer,
+                                                               command: list[str]) -> None:
+    result = invoke("journal", *command, "--db", pg_dsn)
+    assert result.exit_code == 1 and result.stderr.startswith("Error: ")
+    with psycopg.connect(pg_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone() == (0,)
+    missing = invoke("journal", *command, "--db", pg_server.dsn_for("no_such_db"))
+    assert missing.exit_code == 1 and "does not exist" in missing.stderr
