@@ -589,12 +589,18 @@ class SQLiteJournal:
         and unknown calls entered that status."""
 
         def read(c: sqlite3.Connection) -> JournalStats:
-            by_status = dict(c.execute("SELECT status, count(*) FROM calls GROUP BY status ORDER BY status"))
-            by_tool = dict(c.execute("SELECT tool, count(*) FROM calls GROUP BY tool ORDER BY tool"))
-            events = c.execute("SELECT count(*) FROM events").fetchone()[0]
-            oldest = dict(c.execute(
-                "SELECT status, min(since) FROM calls WHERE status IN ('pending', 'unknown') GROUP BY status"
-            ))
+            c.execute("BEGIN")  # the counts of one moment, however many writers there are
+            try:
+                by_status = dict(c.execute("SELECT status, count(*) FROM calls GROUP BY status ORDER BY status"))
+                by_tool = dict(c.execute("SELECT tool, count(*) FROM calls GROUP BY tool ORDER BY tool"))
+                # seq is gapless from 1, so the last one counts the events without a scan.
+                events = c.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+                oldest = dict(c.execute(
+                    "SELECT status, min(since) FROM calls WHERE status IN ('pending', 'unknown') GROUP BY status"
+                ))
+            finally:
+                if c.in_transaction:
+                    c.execute("COMMIT")
             return JournalStats(
                 calls=sum(by_status.values()), events=events, by_status=by_status, by_tool=by_tool,
                 oldest_pending_at=parse_at(oldest["pending"]) if "pending" in oldest else None,
