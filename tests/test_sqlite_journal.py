@@ -465,7 +465,8 @@ def test_one_journal_shared_by_threads(tmp_path: Path) -> None:
 
 
 class Transactions:
-    """The kinds of event each committed transaction inserted, with the synchronous level it ran at."""
+    """The kinds of event each committed transaction inserted, with the synchronous level it ran at,
+    and ``("fsync", ())`` for each fsync of the WAL that the journal makes itself."""
 
     def __init__(self, journal: SQLiteJournal) -> None:
         conn = journal._connection()
@@ -473,6 +474,13 @@ class Transactions:
         self.kinds: list[str] = []
         self.committed: list[tuple[str, tuple[str, ...]]] = []
         conn.set_trace_callback(self.trace)
+        sync_wal = journal._sync_wal
+
+        def recorded_sync() -> None:
+            sync_wal()
+            self.committed.append(("fsync", ()))
+
+        journal._sync_wal = recorded_sync  # type: ignore[method-assign]
 
     def trace(self, statement: str) -> None:
         text = statement.strip()
@@ -496,8 +504,8 @@ def test_full_durability_fsyncs_only_the_transactions_that_record_pending(tmp_pa
     call(tool, "d1", "acct", 1)
     call(tool, "d1", "acct", 1)
     assert call(tool, "d1", "acct", 2)["block_reason"] == "policy_violation"
-    assert seen.committed == [("FULL", ("pending",)), ("NORMAL", ("committed",)), ("NORMAL", ("replayed",)),
-                              ("NORMAL", ("refused",))]
+    assert seen.committed == [("NORMAL", ("pending",)), ("fsync", ()), ("NORMAL", ("committed",)),
+                              ("NORMAL", ("replayed",)), ("NORMAL", ("refused",))]
     journal.close()
 
 
@@ -509,7 +517,7 @@ def test_process_durability_never_fsyncs(tmp_path: Path) -> None:
     journal.close()
 
 
-def test_a_guess_that_the_call_would_not_run_is_redone_at_full(tmp_path: Path) -> None:
+def test_a_reversible_call_run_again_after_unknown_has_its_pending_fsynced(tmp_path: Path) -> None:
     from guard.effect_guard import reversibility
 
     journal = SQLiteJournal(tmp_path / "j.db", durability="full")
@@ -526,9 +534,8 @@ def test_a_guess_that_the_call_would_not_run_is_redone_at_full(tmp_path: Path) -
 
     with pytest.raises(TimeoutError):
         call(lookup, "g1", "acct")
-    # Last seen unknown, so a refusal is expected; the reversible tool runs instead, and its pending is fsynced.
     assert call(lookup, "g1", "acct") == "found"
-    assert seen.committed[2] == ("FULL", ("pending",))
+    assert seen.committed[3:5] == [("NORMAL", ("pending",)), ("fsync", ())]
     assert journal.get("g1").attempt == 2
     assert [e.kind for e in journal.call_events("g1")] == ["pending", "unknown", "pending", "committed"]
     journal.close()
