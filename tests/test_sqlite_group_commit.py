@@ -1,0 +1,195 @@
+"""Group commit: threads of one process share the fsync of their pending records, and lose none.
+
+At ``durability="full"`` a tool runs only after its own ``pending`` is on disk, however many threads
+call at once; each non-reversible effect happens once; a process killed right after ``begin`` returned
+leaves a ``pending`` for every effect its tools made.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context, is_refusal
+from guard.effect_guard import EffectGuard
+from journal import SQLiteJournal
+
+CTX = multiprocessing.get_context("fork")
+THREADS = 8
+
+
+def call(tool: Any, call_id: str, *args: Any) -> Any:
+    with AirlockContext(agent_id="agent", metadata={"tool_call_id": call_id}):
+        return tool(*args)
+
+
+class SyncedUpTo:
+    """Wraps the journal's fsync of its WAL: ``seq`` is the last event an fsync that completed covers."""
+
+    def __init__(self, journal: SQLiteJournal) -> None:
+        self.journal = journal
+        self.seq = 0
+        self.syncs = 0
+        self.lock = threading.Lock()
+        real = journal._sync_wal
+
+        def sync() -> None:
+            covered = journal.head()[0]  # every event up to here was committed before this fsync began
+            real()
+            with self.lock:
+                self.seq = max(self.seq, covered)
+                self.syncs += 1
+
+        journal._sync_wal = sync  # type: ignore[method-assign]
+
+
+def test_eight_threads_at_full_run_every_effect_once_and_only_once_its_pending_is_on_disk(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", durability="full")
+    synced = SyncedUpTo(journal)
+    effects: Counter[str] = Counter()
+    early: list[str] = []
+    lock = threading.Lock()
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(account: str, cents: int) -> dict[str, Any]:
+        context = get_current_context()
+        assert context is not None and context.tool_call_id is not None
+        call_id = context.tool_call_id
+        pending_seq = max(e.seq for e in journal.call_events(call_id) if e.kind == "pending")
+        with lock:
+            effects[call_id] += 1
+            if pending_seq > synced.seq:
+                early.append(call_id)
+        return {"charged": cents, "account": account}
+
+    distinct, shared = 30, 12
+    barrier = threading.Barrier(THREADS)
+    results: dict[str, list[Any]] = {f"shared-{i}": [] for i in range(shared)}
+    failures: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            barrier.wait()
+            for i in range(distinct):
+                result = call(charge, f"t{n}-{i}", f"acct-{n}", i)
+                assert result == {"charged": i, "account": f"acct-{n}"}
+                if i % 3 == 0:  # every thread also calls the shared ids, all at once
+                    for j in range(i // 3, shared, distinct // 3):
+                        outcome = call(charge, f"shared-{j}", "acct-shared", j)
+                        with lock:
+                            results[f"shared-{j}"].append(outcome)
+        except BaseException as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert early == [], "a tool ran before its pending was fsynced"
+    assert set(effects.values()) == {1}, "an effect happened twice"
+    assert len(effects) == THREADS * distinct + shared
+    for call_id, outcomes in results.items():
+        assert len(outcomes) == THREADS
+        for outcome in outcomes:  # the value (the call that ran, or a replay) or a refusal while pending
+            assert outcome == {"charged": int(call_id.split("-")[1]), "account": "acct-shared"} or (
+                is_refusal(outcome) and outcome["block_reason"] == "effect_status_unknown"
+            ), outcome
+    assert journal.stats().by_status == {"committed": THREADS * distinct + shared}
+    assert synced.syncs <= THREADS * distinct + shared
+    assert journal.verify().ok
+    journal.close()
+
+
+def test_threads_calling_at_once_share_an_fsync(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", durability="full")
+    syncs: list[int] = []
+    real = journal._sync_wal
+
+    def slow_sync() -> None:  # a slow disk: whoever commits meanwhile waits for the next fsync
+        syncs.append(1)
+        time.sleep(0.2)
+        real()
+
+    journal._sync_wal = slow_sync  # type: ignore[method-assign]
+    ran: list[str] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(account: str, cents: int) -> int:
+        ran.append(account)
+        return cents
+
+    barrier = threading.Barrier(THREADS)
+
+    def worker(n: int) -> None:
+        barrier.wait()
+        assert call(charge, f"g{n}", f"acct-{n}", n) == n
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(ran) == sorted(f"acct-{n}" for n in range(THREADS))
+    # The first fsync covers the first commit; those made while it ran share the next one or two.
+    assert 1 <= len(syncs) <= 3
+    journal.close()
+
+
+def _keep_calling(path: str, side: str, threads: int) -> None:
+    """In a child process: threads calling a guarded tool with fresh ids at full, until killed."""
+    journal = SQLiteJournal(path, durability="full")
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(account: str, cents: int) -> int:
+        context = get_current_context()
+        assert context is not None
+        # The effect, as the outside world would see it: written only once begin has returned.
+        fd = os.open(side, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{context.tool_call_id}\n".encode())
+        finally:
+            os.close(fd)
+        return cents
+
+    def worker(n: int) -> None:
+        i = 0
+        while True:
+            call(charge, f"p{os.getpid()}-t{n}-{i}", f"acct-{n}", i)
+            i += 1
+
+    for n in range(threads):
+        threading.Thread(target=worker, args=(n,), daemon=True).start()
+    while True:
+        time.sleep(1)
+
+
+def test_a_process_killed_right_after_begin_keeps_a_pending_for_every_effect(tmp_path: Path) -> None:
+    path, side = tmp_path / "j.db", tmp_path / "effects.txt"
+    SQLiteJournal(path, durability="full").close()
+    for wanted in (40, 120):  # killed at two different moments
+        child = CTX.Process(target=_keep_calling, args=(str(path), str(side), THREADS))
+        child.start()
+        deadline = time.monotonic() + 60
+        while (len(side.read_text().split()) if side.exists() else 0) < wanted:
+            assert time.monotonic() < deadline, "the child made no progress"
+            assert child.is_alive()
+            time.sleep(0.005)
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        assert child.exitcode == -signal.SIGKILL
+    journal = SQLiteJournal(path, durability="full")
+    ran = side.read_text().split()
+    assert len(ran) == len(set(ran))
+    pending = {e.call_id for e in journal.events() if e.kind == "pending"}
+    assert set(ran) <= pending, f"effects without a pending: {sorted(set(ran) - pending)[:5]}"
+    assert journal.verify().ok
+    journal.close()
