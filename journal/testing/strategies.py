@@ -52,11 +52,16 @@ class PlayReport:
         return Counter(str(r["block_reason"]) for r in self.results if is_refusal(r))
 
 
-def call_ids(pool: int = 6) -> SearchStrategy[str]:
-    """Tool call ids from a small pool (so calls reuse them), some of them hostile text."""
+def call_ids(pool: int = 6, *, nul: bool = True) -> SearchStrategy[str]:
+    """Tool call ids from a small pool (so calls reuse them), some of them hostile text.
+
+    ``nul=False`` leaves out the id with a NUL character (which PostgreSQL text cannot hold).
+    """
     from hypothesis import strategies as st
 
-    hostile = ["call'; DROP TABLE events; --", 'call"\\', "call\x00nul", "\u202ecall", "\U0001f4b3"]
+    hostile = ["call'; DROP TABLE events; --", 'call"\\', "\u202ecall", "\U0001f4b3"]
+    if nul:
+        hostile.insert(2, "call\x00nul")
     plain = [f"call_{n}" for n in range(max(1, pool - len(hostile)))]
     return st.sampled_from(plain + hostile[: max(0, pool - len(plain))])
 
