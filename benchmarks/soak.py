@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -219,10 +220,14 @@ def check(db: str, workdir: Path) -> dict[str, Any]:
 
     kinds = Counter(o["kind"] for o in outcomes)
     refusals = Counter(o.get("code") for o in outcomes if o["kind"] == "refused")
-    store_errors = sum(
-        (workdir / f).read_text(errors="replace").count("store could not record")
-        for f in os.listdir(workdir) if f.startswith("worker-")
-    )
+    # What the journal said when it could not record: "store could not record KIND for ...: Error('...')".
+    store_errors: Counter[str] = Counter()
+    for name in sorted(os.listdir(workdir)):
+        if name.startswith("worker-"):
+            for line in (workdir / name).read_text(errors="replace").splitlines():
+                found = re.search(r"store could not record (\w+) for .*?\): (.*)$", line)
+                if found:
+                    store_errors[f"{found.group(1)}: {re.sub(r'[0-9.]+', 'N', found.group(2))[:160]}"] += 1
     return {
         "calls issued (new ids)": len(issued),
         "calls completed": len(outcomes),
@@ -237,7 +242,8 @@ def check(db: str, workdir: Path) -> dict[str, Any]:
         "values lost or changed": lost_or_changed,
         "reversible values superseded by a later attempt (allowed)": superseded,
         "committed without effect": committed_without_effect,
-        "store errors logged": store_errors,
+        "store errors logged": sum(store_errors.values()),
+        **{f"  {message}": n for message, n in store_errors.most_common(5)},
         "journal events": report.events,
         "journal calls": stats.calls,
         **{f"  {status}": n for status, n in sorted(stats.by_status.items())},
