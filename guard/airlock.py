@@ -277,11 +277,11 @@ class _Call:
                     journal=False,
                     store_error=f"{type(e).__name__}: {e}",
                 )
-            self.verdict = decision.verdict
-            self.attempt = decision.attempt
-            if decision.verdict is _REFUSE:
+            self.verdict = verdict = decision.verdict
+            self.attempt = decision.event.attempt
+            if verdict is _REFUSE:
                 return self.refuse(str(decision.code), str(decision.message), journal=False, **decision.details)
-            if decision.verdict is _REPLAY:
+            if verdict is _REPLAY:
                 assert decision.record is not None and decision.record.value is not None
                 self.replay_value = orjson.loads(decision.record.value)
                 return None
