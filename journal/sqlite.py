@@ -49,6 +49,8 @@ _FULL, _NORMAL = "FULL", "NORMAL"
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 _BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 _BATCH = 1000
+_CHECKPOINT_PAGES = 4000
+_WAL_KEEP = 16 * 1024 * 1024
 _SORTED = orjson.OPT_SORT_KEYS
 # Connections inherited through fork are never used or closed in the child (closing one could
 # checkpoint and delete a WAL that the parent still writes); they are parked here instead.
@@ -259,6 +261,11 @@ class SQLiteJournal:
         conn = self._connect(str(path))
         try:
             self._retry(conn, lambda: conn.execute("PRAGMA journal_mode = WAL"))
+            # A guarded call dirties about ten pages; checkpointing (two fsyncs) every 1000 pages, as
+            # SQLite does by default, would cost more than the call's own fsync. The WAL is cut back
+            # to _WAL_KEEP bytes after each checkpoint.
+            conn.execute(f"PRAGMA wal_autocheckpoint = {_CHECKPOINT_PAGES}")
+            conn.execute(f"PRAGMA journal_size_limit = {_WAL_KEEP}")
             self._sync = None
             self._transaction(conn, _NORMAL, self._initialise)
         except BaseException:
