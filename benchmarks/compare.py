@@ -1,6 +1,7 @@
 """A guarded call here and in two peer libraries, and the raw SQLite transactions under them, in one run.
 
     python benchmarks/compare.py [--dir DIR] [--rounds R] [--calls N] [--sync-calls M] [--pg DSN|auto]
+                                 [--threads T] [--throughput-calls K]
 
 Needs the ``bench`` extra (``pip install -e '.[bench]'``): agent-once (``once``) and airlock-sdk
 (``airlock``). Every system guards the same tool, ``charge(account, cents)``, which counts its runs
@@ -18,6 +19,9 @@ fresh id (the tool runs) and of a replay of a committed call (the stored value c
 - the floors: one and two raw ``BEGIN IMMEDIATE; INSERT; COMMIT`` transactions, WAL, at FULL and at
   NORMAL, on a file in the same directory.
 
+Then the durable throughput of fresh calls at ``durability="full"``, from one thread and from
+``--threads`` threads sharing one SQLiteJournal (their pending records share an fsync: group commit).
+
 Before timing, each system must run the tool exactly once for a fresh id, return the stored value on
 a replay without running it, and run it again for another id; its SQLite file must be in WAL mode at
 the ``synchronous`` level named. Otherwise the run stops with the reason. Every system runs a batch
@@ -33,12 +37,14 @@ import contextlib
 import contextvars
 import gc
 import importlib.metadata
+import itertools
 import os
 import platform
 import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -266,6 +272,58 @@ def measure(systems: list[System], rounds: int, calls: int, sync_calls: int, run
                 system.replay += system.run(lambda s=system, ids=replay_ids: timed(s.call, ids))
 
 
+class Throughput:
+    """Fresh guarded calls at durability="full" from ``threads`` threads sharing one SQLiteJournal."""
+
+    def __init__(self, path: Path, threads: int, run_id: str) -> None:
+        self.threads = threads
+        self.ran = [0]
+        self.lock = threading.Lock()
+        self.journal = SQLiteJournal(path, durability="full")
+        self.tool = Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=self.journal)))(self.counted())
+        self.ids = (f"{run_id}-t{threads}-{i}" for i in itertools.count())
+        self.rates: list[float] = []
+
+    def counted(self) -> Callable[[str, int], dict[str, Any]]:
+        def charge(account: str, cents: int) -> dict[str, Any]:
+            with self.lock:
+                self.ran[0] += 1
+            return {"account": account, "cents": cents}
+
+        return charge
+
+    def run(self, calls: int) -> None:
+        """Make ``calls`` calls (each thread its share, all started at once); keep calls per second."""
+        per_thread = max(1, calls // self.threads)
+        ids = [[next(self.ids) for _ in range(per_thread)] for _ in range(self.threads)]
+        barrier = threading.Barrier(self.threads + 1)
+        failed: list[BaseException] = []
+
+        def work(mine: list[str]) -> None:
+            barrier.wait()
+            try:
+                for call_id in mine:
+                    with AirlockContext(agent_id="bench", metadata={"tool_call_id": call_id}):
+                        self.tool("acct_1", 500)
+            except BaseException as e:
+                failed.append(e)
+
+        workers = [threading.Thread(target=work, args=(mine,)) for mine in ids]
+        for w in workers:
+            w.start()
+        before = self.ran[0]
+        barrier.wait()
+        start = time.perf_counter()
+        for w in workers:
+            w.join()
+        elapsed = time.perf_counter() - start
+        made = per_thread * self.threads
+        if failed or self.ran[0] - before != made:
+            raise Misconfigured(f"{self.threads} threads at full", f"{self.ran[0] - before} runs for {made} fresh "
+                                f"calls{f', and {failed[0]!r}' if failed else ''}")
+        self.rates.append(made / elapsed)
+
+
 def median_us(samples: list[int]) -> float:
     return statistics.median(samples) / 1000
 
@@ -319,6 +377,16 @@ def ratio_line(label: str, slow: float, fast: float, target: float) -> str:
     return f"  {label:<76} {ratio:6.2f}x  (target >= {target:g}x)  {verdict}"
 
 
+def report_throughput(single: Throughput, many: Throughput) -> None:
+    one, several = statistics.median(single.rates), statistics.median(many.rates)
+    print()
+    print('durable throughput: fresh calls at durability="full", threads sharing one SQLiteJournal '
+          f"(median of {len(single.rates)} rounds)")
+    print(f"  {'1 thread':<20} {one:8.0f} calls/s")
+    print(f"  {f'{many.threads} threads':<20} {several:8.0f} calls/s  {several / one:6.2f}x the single thread  "
+          f"(target >= 3x)  {'met' if several / one >= 3 else 'NOT MET'}")
+
+
 def report(systems: dict[str, System], where: str, options: argparse.Namespace) -> None:
     print(f"journals in {where}")
     print(f"python {platform.python_version()}, SQLite {sqlite3.sqlite_version}, {os.cpu_count()} CPUs; "
@@ -361,6 +429,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300, help="calls a round, and replays a round")
     parser.add_argument("--sync-calls", type=int, default=30, help="fresh calls a round where each fsyncs")
     parser.add_argument("--pg", default=None, help=f"a PostgreSQL DSN, or 'auto' (default: ${_PG_ENV})")
+    parser.add_argument("--threads", type=int, default=8, help="threads for the durable throughput")
+    parser.add_argument("--throughput-calls", type=int, default=160, help="fresh calls a round, for throughput")
     options = parser.parse_args()
     kind, device = filesystem(options.dir)
     if kind in ("tmpfs", "ramfs"):
@@ -401,7 +471,13 @@ def main() -> None:
             for system in systems.values():
                 check(system, run_id)
             measure(list(systems.values()), options.rounds, options.calls, options.sync_calls, run_id)
+            single = Throughput(d / "throughput-1.db", 1, run_id)
+            many = Throughput(d / f"throughput-{options.threads}.db", options.threads, run_id)
+            for r in range(options.rounds):
+                for runner in (single, many) if r % 2 == 0 else (many, single):
+                    runner.run(options.throughput_calls // (4 if runner is single else 1))
             report(systems, f"{d} ({kind} on {device})", options)
+            report_throughput(single, many)
     finally:
         pg_done()
 
