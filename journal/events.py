@@ -11,6 +11,8 @@ import orjson
 
 from guard.store import EffectEvent, format_at
 
+from .errors import JournalError
+
 __all__ = ["REDACTABLE", "JournalEvent", "JournalStats", "VerifyReport", "at_text", "text_sha256"]
 
 # Only these enter the hash as digests, so only these can be blanked out of a verifiable export.
@@ -67,7 +69,8 @@ class JournalEvent:
         """The event's export line (a JSON object): every field, JSON values decoded, the two
         digests, and ``redacted`` naming the fields blanked out (``[]`` when none).
 
-        Raises ``ValueError`` for a field name in ``redact`` that cannot be redacted.
+        Raises ``ValueError`` for a field name in ``redact`` that cannot be redacted, and
+        :class:`~journal.errors.JournalError` when a stored ``arguments`` or ``value`` is not JSON.
         """
         unknown = redact - REDACTABLE
         if unknown:
@@ -83,9 +86,9 @@ class JournalEvent:
             "tool": self.tool,
             "agent_id": self.agent_id,
             "idempotency_key": self.idempotency_key,
-            "arguments": None if self.arguments is None else orjson.loads(self.arguments),
+            "arguments": None if "arguments" in redact else self._decoded("arguments", self.arguments),
             "arguments_sha256": text_sha256(self.arguments),
-            "value": None if self.value is None else orjson.loads(self.value),
+            "value": None if "value" in redact else self._decoded("value", self.value),
             "value_sha256": text_sha256(self.value),
             "error": self.error,
             "reason": self.reason,
@@ -100,6 +103,15 @@ class JournalEvent:
             line[name] = None
         line["redacted"] = redacted
         return line
+
+
+    def _decoded(self, field: str, text: str | None) -> Any:
+        try:
+            return None if text is None else orjson.loads(text)
+        except orjson.JSONDecodeError as e:
+            verb = "are" if field == "arguments" else "is"
+            raise JournalError(f"The {field} of event seq {self.seq} {verb} not JSON; the journal has been "
+                               "altered (run verify).") from e
 
 
 @dataclass(frozen=True, slots=True)

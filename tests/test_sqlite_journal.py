@@ -319,6 +319,19 @@ def test_verify_finds_a_tampered_event(journal: SQLiteJournal, tamper: str) -> N
     assert "seq 2" in str(report.problem)
 
 
+def test_an_event_whose_stored_json_was_broken_cannot_be_exported(journal: SQLiteJournal) -> None:
+    fill(journal)
+    conn = raw(journal)
+    conn.execute("DROP TRIGGER events_no_update")
+    conn.execute("UPDATE events SET arguments = '{\"cents\":' WHERE seq = 3")
+    conn.close()
+    third = list(journal.events())[2]
+    with pytest.raises(JournalError, match="arguments of event seq 3 are not JSON"):
+        third.export()
+    assert third.export(frozenset({"arguments"}))["arguments"] is None
+    assert journal.verify().first_bad_seq == 3
+
+
 def test_verify_finds_a_deleted_event(journal: SQLiteJournal) -> None:
     fill(journal)
     conn = raw(journal)
