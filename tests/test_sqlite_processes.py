@@ -261,3 +261,41 @@ def runs_then_hangs_with(journal: SQLiteJournal, side: Path, running: Any) -> No
         return {"charged": cents}
 
     call(charge, "k1", "acct", 5)
+
+
+# -- reading while others write ------------------------------------------------------------------------
+
+
+def writes_for(path: Path, side: Path, seconds: float, worker: int) -> None:
+    journal = SQLiteJournal(path, durability="process")
+    tool = charge_tool(journal, side)
+    deadline, n = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        n += 1
+        call(tool, f"w{worker}-{n % 50}", f"w{worker}-{n % 50}", n % 50)
+    journal.close()
+
+
+def test_verify_stats_and_export_while_processes_write(tmp_path: Path) -> None:
+    from journal.chain import verify_lines
+
+    path, side = tmp_path / "j.db", tmp_path / "effects"
+    SQLiteJournal(path).close()
+    writers = [CTX.Process(target=writes_for, args=(path, side, 1.5, w)) for w in range(3)]
+    for w in writers:
+        w.start()
+    reports = []
+    with SQLiteJournal(path, readonly=True) as reader:
+        while any(w.is_alive() for w in writers):
+            reports.append(reader.verify())
+            stats = reader.stats()
+            assert stats.calls == sum(stats.by_status.values()) == sum(stats.by_tool.values())
+            assert verify_lines(e.export() for e in reader.events()).ok
+    for w in writers:
+        w.join()
+        assert w.exitcode == 0
+    assert len(reports) >= 2 and all(r.ok for r in reports), [r for r in reports if not r.ok]
+    assert reports[-1].events > 100
+    with SQLiteJournal(path) as journal:
+        assert journal.verify().ok
+        assert max(effects(side).values()) == 1
