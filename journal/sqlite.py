@@ -10,6 +10,7 @@ time by several threads share one. Every other event becomes durable with the ne
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
@@ -264,8 +265,8 @@ class SQLiteJournal:
             # A guarded call dirties about ten pages; checkpointing (two fsyncs) every 1000 pages, as
             # SQLite does by default, would cost more than the call's own fsync. The WAL is cut back
             # to _WAL_KEEP bytes after each checkpoint.
-            conn.execute(f"PRAGMA wal_autocheckpoint = {_CHECKPOINT_PAGES}")
-            conn.execute(f"PRAGMA journal_size_limit = {_WAL_KEEP}")
+            self._retry(conn, lambda: conn.execute(f"PRAGMA wal_autocheckpoint = {_CHECKPOINT_PAGES}"))
+            self._retry(conn, lambda: conn.execute(f"PRAGMA journal_size_limit = {_WAL_KEEP}"))
             self._sync = None
             self._transaction(conn, _NORMAL, self._initialise)
         except BaseException:
@@ -337,7 +338,13 @@ class SQLiteJournal:
                     waited = self._wait(conn, e, deadline)
         finally:
             if waited:
-                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+                self._restore_busy_timeout(conn)
+
+    def _restore_busy_timeout(self, conn: sqlite3.Connection) -> None:
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        except sqlite3.Error as e:
+            raise JournalError(f"The journal {self.path} failed: {e}.") from e
 
     def _wait(self, conn: sqlite3.Connection, e: sqlite3.Error, deadline: float) -> bool:
         """After ``e``: raise it as a JournalError, or StoreBusy past the deadline, or wait a little
@@ -350,7 +357,10 @@ class SQLiteJournal:
                 f"The journal {self.path} stayed locked by another writer for {self.busy_timeout:g} s."
             ) from e
         # SQLite's own wait can be cut short (a WAL being recovered): wait only what is left.
-        conn.execute(f"PRAGMA busy_timeout = {max(1, int(remaining * 1000))}")
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {max(1, int(remaining * 1000))}")
+        except sqlite3.Error as shortening:
+            raise JournalError(f"The journal {self.path} failed: {shortening}.") from shortening
         time.sleep(min(0.001, remaining))
         return True
 
@@ -382,7 +392,7 @@ class SQLiteJournal:
                     waited = self._wait(conn, e, deadline)
         finally:
             if waited:
-                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+                self._restore_busy_timeout(conn)
 
     def _write(self, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
@@ -633,7 +643,8 @@ class SQLiteJournal:
         try:
             return self._retry(snapshot, lambda: self._verify(snapshot))
         finally:
-            snapshot.close()
+            with contextlib.suppress(sqlite3.Error):
+                snapshot.close()
 
     def _verify(self, conn: sqlite3.Connection) -> VerifyReport:
         check = ChainCheck()
@@ -748,7 +759,8 @@ class SQLiteJournal:
             if not self._closed:
                 self._closed = True
                 if _FORKS[0] == self._forks:
-                    self._conn.close()
+                    with contextlib.suppress(sqlite3.Error):  # nothing is left to lose on close
+                        self._conn.close()
                 else:
                     _INHERITED.append(self._conn)
                 with self._group:
