@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from guard.store import EffectEvent, format_at, parse_at
@@ -207,3 +207,52 @@ def test_empty_stream_verifies_to_genesis() -> None:
 def test_the_fast_time_text_is_the_exported_one(at: datetime) -> None:
     assert at_text(at) == format_at(at)
     assert at_text(at.replace(microsecond=0)).endswith(".000000Z")
+
+
+# -- any alteration of any stored field is found -----------------------------------------------
+
+_KINDS = ("pending", "committed", "unknown", "released", "replayed", "refused")
+_FIELDS = {
+    "at": "'2030-01-01T00:00:00.000000Z'", "call_id": "'other'", "kind": "'refused'", "tool": "'other'",
+    "agent_id": "'other'", "idempotency_key": "'" + "e" * 64 + "'", "arguments": "'{\"x\":1}'",
+    "value": "'{\"x\":2}'", "error": "'{\"message\":\"m\",\"type\":\"T\"}'",
+    "reason": "'{\"code\":\"c\",\"message\":\"m\"}'", "actor": "'operator:mallory'", "attempt": "attempt + 7",
+    "owner": "'{\"host\":\"h\",\"pid\":2}'", "prev_hash": "'" + "1" * 64 + "'", "hash": "'" + "2" * 64 + "'",
+}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kinds=st.lists(st.sampled_from(_KINDS), min_size=1, max_size=12),
+    field=st.sampled_from(sorted(_FIELDS)),
+    pick=st.integers(min_value=0),
+)
+def test_altering_any_field_of_any_event_is_found_at_that_seq(
+    tmp_path_factory: pytest.TempPathFactory, kinds: list[str], field: str, pick: int
+) -> None:
+    import sqlite3
+
+    path = tmp_path_factory.mktemp("chain") / "j.db"
+    with SQLiteJournal(path, durability="process") as journal:
+        for n, kind in enumerate(kinds):
+            journal.append(EffectEvent(
+                kind=kind, call_id=f"c{n % 3}", tool="charge", agent_id="a", idempotency_key="k" * 64,
+                arguments=f'{{"n":{n}}}', value='{"v":1}' if kind == "committed" else None,
+                error={"type": "TimeoutError", "message": "slow"} if kind == "unknown" else None,
+                reason={"code": "policy_violation", "message": "no"} if kind == "refused" else None,
+                attempt=1,
+            ))
+        assert journal.verify().ok
+        lines = [orjson.loads(orjson.dumps(e.export())) for e in journal.events()]
+        assert verify_lines(lines).ok
+        seq = pick % len(kinds) + 1
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("DROP TRIGGER events_no_update")
+        changed = conn.execute(f"UPDATE events SET {field} = {_FIELDS[field]} WHERE seq = ? AND "
+                               f"{field} IS NOT {_FIELDS[field]}", (seq,)).rowcount
+        conn.close()
+        report = journal.verify()
+        if changed:
+            assert (report.ok, report.first_bad_seq) == (False, seq), (field, report)
+        else:
+            assert report.ok
