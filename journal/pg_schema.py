@@ -50,8 +50,6 @@ _V1 = (
     )
     """,
     "CREATE INDEX events_call_id ON events (call_id, seq)",
-    "CREATE INDEX events_tool ON events (tool, seq)",
-    "CREATE INDEX events_agent_id ON events (agent_id, seq)",
     "CREATE INDEX events_at ON events (at)",
     """
     CREATE TABLE calls (
@@ -81,7 +79,7 @@ _V1 = (
         seq bigint NOT NULL,
         hash text NOT NULL,
         generation bigint NOT NULL DEFAULT 0
-    )
+    ) WITH (fillfactor = 10)
     """,
     "INSERT INTO chain_head (id, seq, hash) VALUES (1, 0, repeat('0', 64))",
     # The log is append-only: the database refuses to change or remove an event, whoever asks.

@@ -67,14 +67,12 @@ _UPSERT_CALL = (
     "ON CONFLICT (call_id) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS if c != "call_id")
 )
-_LOCK_HEAD = "SELECT seq, hash FROM chain_head WHERE id = 1 FOR UPDATE"
-# The optimistic path: read the head and the call's row in one snapshot (no lock), decide, then
-# append in one round trip only if the head has not moved meanwhile (a compare-and-set on the
-# head row, whose lock is then held only while the server commits).
-_SNAPSHOT = (
-    f"SELECT h.seq, h.hash, h.generation, {', '.join('c.' + c for c in CALL_COLUMNS)} "
-    "FROM chain_head h LEFT JOIN calls c ON c.call_id = %s WHERE h.id = 1"
-)
+_LOCK_HEAD = "SELECT seq, hash, generation FROM chain_head WHERE id = 1 FOR UPDATE"
+# Right after this object's own write, an append needs no read: it is made in one round trip if
+# the head is still the one that write left (a compare-and-set on the head row; every change of
+# the projection moves the head, so an unmoved head means an unchanged projection). A begin for
+# a call id this object does not know is decided as for a call never seen, and the append also
+# requires that the call has no projection row.
 _TYPES = {"seq": "bigint", "attempt": "integer", "last_seq": "bigint"}
 
 
@@ -82,19 +80,26 @@ def _casts(columns: Sequence[str]) -> str:
     return ", ".join(f"%s::{_TYPES.get(c, 'text')}" for c in columns)
 
 
-_CAS_HEAD = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1 AND seq = %s AND generation = %s RETURNING seq"
-_CAS_EVENT = f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) SELECT {_casts(EVENT_COLUMNS)} FROM head"
-_CAS_CALL = (
-    f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) SELECT {_casts(CALL_COLUMNS)} FROM head "
-    "ON CONFLICT (call_id) DO UPDATE SET "
-    + ", ".join(f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS if c != "call_id")
-)
-_CAS_APPEND = f"WITH head AS ({_CAS_HEAD}), event AS ({_CAS_EVENT}) SELECT count(*) FROM head"
-_CAS_APPEND_AND_PROJECT = (
-    f"WITH head AS ({_CAS_HEAD}), event AS ({_CAS_EVENT}), call AS ({_CAS_CALL}) SELECT count(*) FROM head"
-)
-_OPTIMISTIC_TRIES = 3
+def _cas_append(project: bool, absent: bool) -> str:
+    head = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1 AND seq = %s AND generation = %s"
+    if absent:
+        head += " AND NOT EXISTS (SELECT 1 FROM calls WHERE call_id = %s)"
+    parts = [
+        f"head AS ({head} RETURNING seq)",
+        f"event AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) SELECT {_casts(EVENT_COLUMNS)} FROM head)",
+    ]
+    if project:
+        parts.append(
+            f"call AS (INSERT INTO calls ({', '.join(CALL_COLUMNS)}) SELECT {_casts(CALL_COLUMNS)} FROM head "
+            "ON CONFLICT (call_id) DO UPDATE SET "
+            + ", ".join(f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS if c != "call_id") + ")"
+        )
+    return f"WITH {', '.join(parts)} SELECT count(*) FROM head"
+
+
+_CAS_APPEND = {(p, a): _cas_append(p, a) for p in (False, True) for a in (False, True)}
 _NO_RECORD_NEEDED = frozenset({"refused", "replayed"})  # they never change a call's record
+_SKIP_AFTER_CONFLICT = 8  # writes that wait for the lock after another writer moved the head
 _SET_HEAD = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1"
 # One statement appends: the event, the projection row where it changes, the head.
 _APPEND = f"WITH event AS ({_INSERT_EVENT}) {_SET_HEAD}"
@@ -185,6 +190,7 @@ class PostgresJournal:
             "fallback_application_name": "airlock-journal",
         }
         self._recent: tuple[_Head, str | None, CallRecord | None] | None = None
+        self._skip_cas = 0
         self._suspect = False  # a connection failed lately: probe the server before waiting on the pool
         self._closed = False
         self._lock = threading.Lock()
@@ -408,50 +414,66 @@ class PostgresJournal:
 
     # -- the EffectStore protocol -------------------------------------------------------------
 
-    def _lock_and_read(self, conn: Conn, call_id: str | None) -> tuple[int, str, CallRecord | None]:
+    def _lock_and_read(self, conn: Conn, call_id: str | None) -> tuple[_Head, CallRecord | None]:
+        """Lock the head row, then read the call's record (a statement after the lock: it sees the
+        last commit); one round trip."""
         head = conn.execute(_LOCK_HEAD)
         found = conn.execute(f"{_CALL_SELECT} WHERE call_id = %s", (call_id,)) if call_id is not None else None
-        seq, prev = head.fetchone() or (0, GENESIS)  # the fetch sends the pipeline: one round trip
+        seq, prev, generation = head.fetchone() or (0, GENESIS, 0)  # the fetch sends the pipeline
         row = found.fetchone() if found is not None else None
-        return int(seq), str(prev), self._decoded(record_from_row, row) if row is not None else None
+        record = self._decoded(record_from_row, row) if row is not None else None
+        return _Head(int(seq), str(prev), int(generation)), record
 
-    def _append_locked(self, conn: Conn, seq: int, prev: str, record: CallRecord | None,
-                       event: EffectEvent) -> JournalEvent:
-        """Insert ``event`` as ``seq + 1`` after ``prev``, fold it into the projection, move the head."""
-        stored, row = stamp(event, seq + 1, prev)
+    def _append_locked(self, conn: Conn, head: _Head, record: CallRecord | None,
+                       event: EffectEvent) -> tuple[JournalEvent, _Head, CallRecord | None]:
+        """Insert ``event`` after ``head`` (locked), fold it into the projection, move the head;
+        returns the stored event, the new head and the call's record after it."""
+        stored, row = stamp(event, head.seq + 1, head.hash)
         updated = apply(record, event, stored.seq) if event.call_id is not None else None
         if updated is not None and updated is not record:
             conn.execute(_APPEND_AND_PROJECT, (*row, *call_row(updated), stored.seq, stored.hash))
+            record = updated
         else:
             conn.execute(_APPEND, (*row, stored.seq, stored.hash))
+        return stored, _Head(stored.seq, stored.hash, head.generation), record
+
+    def _locked_write(self, doing: str, call_id: str | None,
+                      choose: Callable[[CallRecord | None], EffectEvent]) -> JournalEvent:
+        """One transaction: lock the head, read the record, ``choose`` the event, append it."""
+        known = self._recent[0] if self._recent is not None else None
+
+        def work(conn: Conn) -> tuple[JournalEvent, _Head, CallRecord | None]:
+            head, record = self._lock_and_read(conn, call_id)
+            if known is not None and head != known:
+                self._skip_cas = _SKIP_AFTER_CONFLICT  # others write too: wait for the lock a while
+            event = choose(record)
+            if event.kind != "pending":
+                conn.execute(_RELAXED)
+            return self._append_locked(conn, head, record, event)
+
+        self._recent = None
+        stored, head, record = self._write(doing, work)
+        self._recent = (head, call_id, record)
         return stored
 
-    def _snapshot(self, call_id: str | None, doing: str) -> tuple[_Head, CallRecord | None]:
-        """The head and the call's record, read in one snapshot without a lock."""
-        rows = self._read(doing, _SNAPSHOT, (call_id,))
-        if not rows:
-            raise JournalError(f"cannot {doing}: the journal {self.name} has no chain head row; run verify")
-        row = rows[0]
-        record = self._decoded(record_from_row, row[3:]) if row[3] is not None else None
-        return _Head(int(row[0]), str(row[1]), int(row[2])), record
-
-    def _try_append(self, head: _Head, record: CallRecord | None, event: EffectEvent,
-                    doing: str) -> JournalEvent | None:
-        """Append ``event`` after ``head`` in one round trip, if the head is still there; None when
-        another writer moved it first (then nothing was written)."""
+    def _try_append(self, head: _Head, record: CallRecord | None, event: EffectEvent, doing: str,
+                    absent: str | None = None) -> JournalEvent | None:
+        """Append ``event`` after ``head`` in one round trip, if the head is still there (and the
+        call ``absent`` has no record); None otherwise, and then nothing was written."""
         stored, row = stamp(event, head.seq + 1, head.hash)
         updated = apply(record, event, stored.seq) if event.call_id is not None else None
         project = updated is not None and updated is not record
-        cas = (stored.seq, stored.hash, head.seq, head.generation)
+        cas: tuple[Any, ...] = (stored.seq, stored.hash, head.seq, head.generation)
+        if absent is not None:
+            cas += (absent,)
+        statement = _CAS_APPEND[project, absent is not None]
+        params = (*cas, *row, *call_row(updated)) if updated is not None and project else (*cas, *row)
         relaxed = event.kind != "pending"
 
         def work(conn: Conn) -> psycopg.Cursor[tuple[Any, ...]]:
             if relaxed:
                 conn.execute(_RELAXED)
-            if project:
-                assert updated is not None
-                return conn.execute(_CAS_APPEND_AND_PROJECT, (*cas, *row, *call_row(updated)))
-            return conn.execute(_CAS_APPEND, (*cas, *row))
+            return conn.execute(statement, params)
 
         try:
             moved = self._write(doing, work).fetchone() != (1,)
@@ -466,27 +488,31 @@ class PostgresJournal:
         return stored
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
-        """Read the call's record, let ``decide`` choose, append its event: atomically (the append
-        happens only if no other event was appended since the read; else it is decided again)."""
+        """Read the call's record, let ``decide`` choose, append its event, atomically: no other
+        append comes between the read and the append.
+
+        Right after this object's own write, in one round trip (a compare-and-set on the head);
+        else in one transaction that locks the head row first (two round trips).
+        """
         doing = "record the call"
-        if self.readonly:
-            raise JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
-        for _ in range(_OPTIMISTIC_TRIES):
-            head, record = self._snapshot(call_id, doing)
-            decision = decide(record)
-            if self._try_append(head, record, decision.event, doing) is not None:
+        self._check_writable(doing)
+        recent = self._recent
+        if recent is not None and self._skip_cas <= 0:
+            head, known_id, known_record = recent
+            known = known_id == call_id
+            decision = decide(known_record if known else None)
+            if self._try_append(head, known_record if known else None, decision.event, doing,
+                                absent=None if known else call_id) is not None:
                 return decision
+        self._skip_cas = max(0, self._skip_cas - 1)
+        decisions: list[Decision] = []
 
-        def work(conn: Conn) -> Decision:  # contended: wait for the head-row lock instead
-            seq, prev, record = self._lock_and_read(conn, call_id)
-            decision = decide(record)
-            if decision.event.kind != "pending":
-                conn.execute(_RELAXED)
-            self._append_locked(conn, seq, prev, record, decision.event)
-            return decision
+        def choose(record: CallRecord | None) -> EffectEvent:
+            decisions[:] = [decide(record)]
+            return decisions[0].event
 
-        self._recent = None
-        return self._write(doing, work)
+        self._locked_write(doing, call_id, choose)
+        return decisions[0]
 
     def append(self, event: EffectEvent) -> None:
         """Append an outcome or a refusal (folded into the projection where it applies)."""
@@ -495,30 +521,21 @@ class PostgresJournal:
     def append_event(self, event: EffectEvent) -> JournalEvent:
         """:meth:`append`, returning the event as stored (with its ``seq`` and ``hash``)."""
         doing = f"record the {event.kind} event"
-        if self.readonly:
-            raise JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
+        self._check_writable(doing)
         recent = self._recent
-        if recent is not None:
-            # This object wrote last: when it still did, its head and record are current.
+        if recent is not None and self._skip_cas <= 0:
+            # This object wrote last: if it still did, its head and the call's record are current.
             head, call_id, record = recent
             if call_id == event.call_id or event.call_id is None or event.kind in _NO_RECORD_NEEDED:
                 stored = self._try_append(head, record if call_id == event.call_id else None, event, doing)
                 if stored is not None:
                     return stored
-        for _ in range(_OPTIMISTIC_TRIES - 1):
-            head, found = self._snapshot(event.call_id, doing)
-            stored = self._try_append(head, found, event, doing)
-            if stored is not None:
-                return stored
+        self._skip_cas = max(0, self._skip_cas - 1)
+        return self._locked_write(doing, event.call_id, lambda record: event)
 
-        def work(conn: Conn) -> JournalEvent:
-            seq, prev, record = self._lock_and_read(conn, event.call_id)
-            if event.kind != "pending":
-                conn.execute(_RELAXED)
-            return self._append_locked(conn, seq, prev, record, event)
-
-        self._recent = None
-        return self._write(doing, work)
+    def _check_writable(self, doing: str) -> None:
+        if self.readonly:
+            raise JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
 
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
@@ -727,7 +744,7 @@ class PostgresJournal:
         changed then). Used by :func:`journal.copy.copy_journal`, which verifies the result."""
 
         def work(conn: Conn) -> int:
-            seq, _hash = conn.execute(_LOCK_HEAD).fetchone() or (0, GENESIS)
+            seq = (conn.execute(_LOCK_HEAD).fetchone() or (0,))[0]
             if seq or conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
                 raise JournalError(f"the destination {self.name} is not empty; copy only into a new journal")
             folded: dict[str, CallRecord] = {}
@@ -764,11 +781,12 @@ class PostgresJournal:
         transaction. Raises :class:`CallNotFound` or :class:`NotResolvable`; changes nothing then."""
 
         def work(conn: Conn) -> JournalEvent:
-            seq, prev, record = self._lock_and_read(conn, call_id)
+            head, record = self._lock_and_read(conn, call_id)
             event = operator_event(call_id, record, applied=applied, reason=reason, operator=operator,
                                    value=value, force=force, journal=self.name)
-            return self._append_locked(conn, seq, prev, record, event)
+            return self._append_locked(conn, head, record, event)[0]
 
+        self._recent = None
         return self._write("resolve the call", work)
 
     # -- lifecycle ----------------------------------------------------------------------------
