@@ -22,23 +22,20 @@ from typing import Any, Literal, TypeVar
 
 import orjson
 
-from guard.canonical import canonical_bytes
-from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, current_owner, format_at, parse_at
+from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at, parse_at
 
 from . import schema
 from .chain import GENESIS, ChainCheck, compute_hash, hash_of
 from .errors import (
-    CallNotFound,
     JournalError,
     JournalNotFound,
     NewerSchema,
     NotAJournal,
-    NotResolvable,
     StoreBusy,
 )
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
-from .owner import owner_alive
 from .projection import fold_into
+from .rows import json_text, operator_event
 
 __all__ = ["SQLiteJournal"]
 
@@ -52,7 +49,6 @@ _BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 _BATCH = 1000
 _CHECKPOINT_PAGES = 4000
 _WAL_KEEP = 16 * 1024 * 1024
-_SORTED = orjson.OPT_SORT_KEYS
 # Connections inherited through fork are never used or closed in the child (closing one could
 # checkpoint and delete a WAL that the parent still writes); they are parked here instead.
 _INHERITED: list[sqlite3.Connection] = []
@@ -90,16 +86,6 @@ def _busy(e: sqlite3.Error) -> bool:
     return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
 
 
-def _json_text(obj: Mapping[str, Any] | None) -> str | None:
-    """The canonical JSON text of an error, reason or owner object."""
-    if obj is None:
-        return None
-    try:
-        return orjson.dumps(obj if type(obj) is dict else dict(obj), option=_SORTED).decode()
-    except TypeError:
-        return canonical_bytes(dict(obj)).decode()
-
-
 def _parse(text: str) -> datetime:
     """``parse_at(text)``, faster for the ``...Z`` texts the journal stores."""
     at = datetime.fromisoformat(text)
@@ -112,16 +98,6 @@ def _plain(obj: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 def _loads(text: str | None) -> Any:
     return None if text is None else orjson.loads(text)
-
-
-def _canonical_text(text: str | None, what: str) -> str | None:
-    """``text`` (JSON) in its canonical form; ``ValueError`` when it is not JSON."""
-    if text is None:
-        return None
-    try:
-        return canonical_bytes(orjson.loads(text)).decode()
-    except (orjson.JSONDecodeError, ValueError) as e:
-        raise ValueError(f"the {what} is not valid JSON: {e}") from e
 
 
 def _record_of(row: tuple[Any, ...]) -> CallRecord:
@@ -154,7 +130,7 @@ def _call_row(record: CallRecord, known: dict[int, str | None] | None = None) ->
     known = known or {}
 
     def text(obj: Mapping[str, Any] | None) -> str | None:
-        return known[id(obj)] if id(obj) in known else _json_text(obj)
+        return known[id(obj)] if id(obj) in known else json_text(obj)
 
     def when(t: datetime) -> str:
         done = known.get(id(t))
@@ -496,9 +472,9 @@ class SQLiteJournal:
         seq, prev = head[0] + 1, head[1]
         at = at_text(event.at)
         error, reason, owner = _plain(event.error), _plain(event.reason), _plain(event.owner)
-        error_text, reason_text = _json_text(error), _json_text(reason)
+        error_text, reason_text = json_text(error), json_text(reason)
         if owner is not self._owner[0]:
-            self._owner = (owner, _json_text(owner))  # the guard hands every event one owner object
+            self._owner = (owner, json_text(owner))  # the guard hands every event one owner object
         owner_text = self._owner[1]
         arguments, value = event.arguments, event.value
         if arguments != self._arguments[0]:
@@ -713,34 +689,10 @@ class SQLiteJournal:
         owner process is alive on this host, unless ``force``), ``ValueError`` for a ``value`` that is
         not JSON or given with ``applied=False``. Nothing changes when it raises.
         """
-        if value is not None and not applied:
-            raise ValueError("a value can only be given for a call whose effect was applied")
-        if not operator:
-            raise ValueError("the operator's name is needed")
-        stored_value = _canonical_text(value, "value")
-
         def step(conn: sqlite3.Connection) -> JournalEvent:
             head, record = _head_and_record(conn, call_id)
-            if record is None:
-                raise CallNotFound(f"The journal {self.path} has no call {call_id!r}.")
-            if record.status not in ("pending", "unknown"):
-                raise NotResolvable(
-                    f"The call {call_id!r} in {self.path} is {record.status}; only a pending or unknown "
-                    "call can be resolved."
-                )
-            if record.status == "pending" and not force and owner_alive(record.owner):
-                pid = record.owner.get("pid") if record.owner else None
-                raise NotResolvable(
-                    f"The call {call_id!r} in {self.path} is pending and its owner process (pid {pid}) is "
-                    "alive on this host, so it may still finish; --force overrides."
-                )
-            event = EffectEvent(
-                kind="committed" if applied else "released", call_id=call_id, tool=record.tool,
-                agent_id=record.agent_id, idempotency_key=record.idempotency_key, arguments=record.arguments,
-                value=stored_value,
-                reason={"code": "applied" if applied else "not_applied", "message": reason},
-                actor=f"operator:{operator}", attempt=record.attempt, owner=current_owner(),
-            )
+            event = operator_event(call_id, record, applied=applied, reason=reason, operator=operator,
+                                   value=value, force=force, journal=str(self.path))
             seq, prev, digest = self._append(conn, event, record, head)
             return JournalEvent(
                 seq=seq, at=event.at, call_id=call_id, kind=event.kind, tool=event.tool,
