@@ -335,3 +335,45 @@ def test_events_stream_in_batches_and_filter(journal: PostgresJournal) -> None:
     assert stats.oldest_pending_at == journal.get("c0").since  # type: ignore[union-attr]
     newest = journal.calls(limit=3)
     assert [r.call_id for r in newest] == ["c2499", "c2498", "c2497"]
+
+
+# -- the one-round-trip path ---------------------------------------------------------------------
+
+
+def decide_like_the_guard(call_id: str, seen: list[Any]) -> Any:
+    """Run a call never seen; replay a committed one; refuse anything else (and note what was seen)."""
+
+    def decide(record: Any) -> Decision:
+        seen.append(None if record is None else record.status)
+        if record is None:
+            return Decision(Verdict.RUN, EffectEvent(kind="pending", call_id=call_id, tool="charge", attempt=1))
+        kind, verdict = ("replayed", Verdict.REPLAY) if record.status == "committed" else ("refused", Verdict.REFUSE)
+        return Decision(verdict, EffectEvent(kind=kind, call_id=call_id, tool="charge", attempt=record.attempt),
+                        record)
+
+    return decide
+
+
+def test_an_older_call_is_decided_on_its_record_after_other_calls(journal: PostgresJournal) -> None:
+    seen: list[Any] = []
+    for call_id in ("old", "new"):
+        journal.begin(call_id, decide_like_the_guard(call_id, seen))
+        commit(journal, call_id)
+    decision = journal.begin("old", decide_like_the_guard("old", seen))
+    assert decision.verdict is Verdict.REPLAY
+    assert [e.kind for e in journal.events(call_id="old")] == ["pending", "committed", "replayed"]
+    assert journal.verify().ok
+
+
+def test_two_journals_interleaving_keep_one_gapless_chain(pg_dsn: str) -> None:
+    with PostgresJournal(pg_dsn) as a, PostgresJournal(pg_dsn) as b:
+        for n in range(20):
+            first, second = (a, b) if n % 2 else (b, a)
+            first.begin(f"c{n}", decide_like_the_guard(f"c{n}", []))
+            second.begin(f"c{n}", decide_like_the_guard(f"c{n}", []))  # refused: it is pending
+            commit(first, f"c{n}")
+            assert second.begin(f"c{n}", decide_like_the_guard(f"c{n}", [])).verdict is Verdict.REPLAY
+        report = a.verify()
+        assert report.ok and report.events == 80
+        assert [e.seq for e in b.events()] == list(range(1, 81))
+        assert {r.status for r in a.calls(limit=None)} == {"committed"}
