@@ -377,3 +377,31 @@ def test_two_journals_interleaving_keep_one_gapless_chain(pg_dsn: str) -> None:
         assert report.ok and report.events == 80
         assert [e.seq for e in b.events()] == list(range(1, 81))
         assert {r.status for r in a.calls(limit=None)} == {"committed"}
+
+
+def test_a_lock_held_past_the_busy_deadline_is_store_busy_and_the_guard_refuses(pg_dsn: str) -> None:
+    from guard import Airlock, AirlockContext, SecurityPolicy
+    from guard.effect_guard import EffectGuard
+    from journal import StoreBusy
+
+    ran: list[str] = []
+    with PostgresJournal(pg_dsn, busy_timeout=1.0) as journal:
+        @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+        def charge(account: str, cents: int) -> int:
+            ran.append(account)
+            return cents
+
+        with AirlockContext(metadata={"tool_call_id": "c0"}):
+            assert charge("a", 1) == 1
+        with psycopg.connect(pg_dsn) as other:  # another writer that holds the journal's lock
+            other.execute("SELECT * FROM chain_head FOR UPDATE")
+            with pytest.raises(StoreBusy, match="locked"):
+                run(journal, "c1")
+            with AirlockContext(metadata={"tool_call_id": "c2"}):
+                refusal = charge("b", 2)
+            assert refusal["block_reason"] == "store_unavailable"
+            assert "StoreBusy" in refusal["metadata"]["store_error"]
+        with AirlockContext(metadata={"tool_call_id": "c2"}):
+            assert charge("b", 2) == 2  # the lock is gone: the call runs
+        assert ran == ["a", "b"]
+        assert journal.verify().ok and journal.get("c1") is None
