@@ -256,3 +256,40 @@ def test_altering_any_field_of_any_event_is_found_at_that_seq(
             assert (report.ok, report.first_bad_seq) == (False, seq), (field, report)
         else:
             assert report.ok
+
+
+_TEXT = st.text(max_size=12)
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**53), 2**53) | _TEXT,
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+                     max_leaves=8)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    kind=st.sampled_from(_KINDS),
+    call_id=st.none() | _TEXT,
+    agent_id=st.none() | _TEXT,
+    arguments=st.none() | _JSON,
+    value=st.none() | _JSON,
+    error=st.none() | st.dictionaries(_TEXT, _TEXT, max_size=2),
+    at=st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2100, 1, 1),
+                    timezones=st.sampled_from([UTC, timezone(timedelta(hours=-7))])),
+)
+def test_the_sqlite_journal_hashes_an_event_as_the_shared_rule_does(
+    tmp_path_factory: pytest.TempPathFactory, kind: str, call_id: str | None, agent_id: str | None,
+    arguments: Any, value: Any, error: dict[str, str] | None, at: datetime,
+) -> None:
+    from guard.canonical import canonical_json
+    from journal.rows import stamp
+
+    event = EffectEvent(
+        kind=kind, call_id=call_id, tool="tool-é", at=at, agent_id=agent_id,
+        arguments=None if arguments is None else canonical_json(arguments),
+        value=None if value is None else canonical_json(value), error=error, attempt=3,
+    )
+    with SQLiteJournal(tmp_path_factory.mktemp("rule") / "j.db", durability="process") as journal:
+        journal.append(event)
+        [stored] = list(journal.events())
+    expected, _ = stamp(event, 1, GENESIS)
+    assert stored.hash == expected.hash
+    assert verify_lines([orjson.loads(orjson.dumps(stored.export()))]).ok
