@@ -190,8 +190,8 @@ class SQLiteJournal:
     ) -> None:
         if durability not in ("full", "process"):
             raise ValueError(f"durability is 'full' or 'process', not {durability!r}")
-        if isinstance(busy_timeout, bool) or not isinstance(busy_timeout, int | float) or not busy_timeout > 0:
-            raise ValueError(f"busy_timeout is a positive number of seconds, not {busy_timeout!r}")
+        if isinstance(busy_timeout, bool) or not isinstance(busy_timeout, int | float) or not busy_timeout >= 0:
+            raise ValueError(f"busy_timeout is a number of seconds, 0 or more, not {busy_timeout!r}")
         if str(path) == ":memory:" or str(path).startswith("file:"):
             raise ValueError(f"SQLiteJournal takes the path of a file, not {str(path)!r}")
         self.path = Path(path)

@@ -432,6 +432,21 @@ def test_past_the_busy_deadline_begin_raises_store_busy_and_the_tool_does_not_ru
     journal.close()
 
 
+def test_a_busy_timeout_of_zero_refuses_at_once_under_contention(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", busy_timeout=0)
+    runs: list[str] = []
+    locked = threading.Event()
+    holder = hold_write_lock(journal.path, 0.5, locked)
+    locked.wait()
+    try:
+        assert call(guarded(journal, runs), "z1", "acct", 1)["block_reason"] == "store_unavailable"
+        assert runs == []
+    finally:
+        holder.join()
+    assert journal.get("z1") is None
+    journal.close()
+
+
 def test_contention_within_the_deadline_is_waited_out(tmp_path: Path) -> None:
     journal = SQLiteJournal(tmp_path / "j.db", busy_timeout=10)
     runs: list[str] = []
