@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any, Protocol
@@ -113,15 +113,12 @@ def get_current_context() -> AirlockContext | None:
     return context
 
 
-def active() -> AirlockContext | CallScope | None:
-    """The host's context, or the guarded call in progress (a :class:`CallScope`), or None."""
-    current: AirlockContext | CallScope | None = _current.get()
-    return current
+# The pipeline's three steps on the context variable, bound once: a guarded call takes each of them,
+# and a wrapper function around each would cost a Python frame.
 
-
-def enter_call(scope: CallScope) -> Token[Any]:
-    return _current.set(scope)
-
-
-def leave_call(token: Token[Any]) -> None:
-    _current.reset(token)
+#: The host's context, or the guarded call in progress (a :class:`CallScope`), or None.
+active: Callable[[], AirlockContext | CallScope | None] = _current.get
+#: Make a guarded call the current scope while its tool runs; returns the token for leave_call.
+enter_call: Callable[[CallScope], Token[Any]] = _current.set
+#: Put back what was current before enter_call.
+leave_call: Callable[[Token[Any]], None] = _current.reset
