@@ -107,9 +107,16 @@ def make_tool(ran: list[int]) -> Callable[[str, int], dict[str, Any]]:
 
 
 def bare() -> System:
+    """The unguarded tool, called in the same AirlockContext a guarded call gets: the difference is
+    the guard's own cost."""
     ran = [0]
     tool = make_tool(ran)
-    return System("bare function", "-", lambda call_id: tool("acct_1", 500), ran, synced=False, guarded=False)
+
+    def call(call_id: str) -> Any:
+        with AirlockContext(agent_id="bench", metadata={"tool_call_id": call_id}):
+            return tool("acct_1", 500)
+
+    return System("bare function, in an AirlockContext", "-", call, ran, synced=False, guarded=False)
 
 
 def ours(name: str, durability: str, store: Any, synced: bool) -> System:
@@ -255,9 +262,11 @@ def timed(call: Callable[[str], Any], ids: list[str]) -> list[int]:
     return out
 
 
-def measure(systems: list[System], rounds: int, calls: int, sync_calls: int, run_id: str) -> None:
-    for system in systems:  # warm up: caches, prepared statements, the WAL
-        ids = [f"{run_id}-warm-{i}" for i in range(5)]
+def measure(systems: list[System], rounds: int, calls: int, sync_calls: int, warmup: int, run_id: str) -> None:
+    # Warm up: caches, prepared statements, and the WAL grown to the size it cycles at in a process
+    # that has been running (after a checkpoint SQLite writes it over again from the start).
+    for system in systems:
+        ids = [f"{run_id}-warm-{i}" for i in range(warmup)]
         system.run(lambda s=system, ids=ids: timed(s.call, ids))
     for r in range(rounds):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
@@ -371,6 +380,16 @@ def postgres_dsn(option: str | None) -> tuple[str | None, Callable[[], None]]:
     return pgserver.fresh_database(server), pgserver.shutdown
 
 
+def postgres_durability(dsn: str) -> str:
+    """The server's settings that decide when a commit is on disk."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        settings = {name: conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
+                    for name in ("fsync", "synchronous_commit")}
+    return f"fsync={settings['fsync']}, synchronous_commit={settings['synchronous_commit']}"
+
+
 def ratio_line(label: str, slow: float, fast: float, target: float) -> str:
     ratio = slow / fast
     verdict = "met" if ratio >= target else "NOT MET"
@@ -425,12 +444,14 @@ def report(systems: dict[str, System], where: str, options: argparse.Namespace) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where the journals go (a disk)")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=300, help="calls a round, and replays a round")
-    parser.add_argument("--sync-calls", type=int, default=30, help="fresh calls a round where each fsyncs")
+    # Many short rounds: an fsync's cost swings with the other work on the disk from second to second.
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--calls", type=int, default=100, help="calls a round, and replays a round")
+    parser.add_argument("--sync-calls", type=int, default=6, help="fresh calls a round where each fsyncs")
+    parser.add_argument("--warmup", type=int, default=500, help="fresh calls each system makes before the rounds")
     parser.add_argument("--pg", default=None, help=f"a PostgreSQL DSN, or 'auto' (default: ${_PG_ENV})")
     parser.add_argument("--threads", type=int, default=8, help="threads for the durable throughput")
-    parser.add_argument("--throughput-calls", type=int, default=160, help="fresh calls a round, for throughput")
+    parser.add_argument("--throughput-calls", type=int, default=96, help="fresh calls a round, for throughput")
     options = parser.parse_args()
     kind, device = filesystem(options.dir)
     if kind in ("tmpfs", "ramfs"):
@@ -452,7 +473,7 @@ def main() -> None:
             if pg_dsn is not None:
                 from journal.postgres import PostgresJournal
 
-                systems["postgres"] = ours("airlock-journal, PostgresJournal", "server's synchronous_commit",
+                systems["postgres"] = ours("airlock-journal, PostgresJournal", postgres_durability(pg_dsn),
                                            PostgresJournal(pg_dsn), synced=True)
             systems |= {
                 "once-full": agent_once(d / "once-full.db", None),
@@ -470,7 +491,7 @@ def main() -> None:
                 raise Misconfigured("airlock-sdk", f"its default is {systems['sdk-normal'].durability}, not NORMAL")
             for system in systems.values():
                 check(system, run_id)
-            measure(list(systems.values()), options.rounds, options.calls, options.sync_calls, run_id)
+            measure(list(systems.values()), options.rounds, options.calls, options.sync_calls, options.warmup, run_id)
             single = Throughput(d / "throughput-1.db", 1, run_id)
             many = Throughput(d / f"throughput-{options.threads}.db", options.threads, run_id)
             for r in range(options.rounds):
