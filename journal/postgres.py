@@ -1,10 +1,12 @@
 """PostgresJournal: an EffectStore on PostgreSQL, for replicas of an agent on many hosts.
 
-Every write transaction locks the one ``chain_head`` row first, reads the call's projection row,
-lets the guard decide, inserts the event with the next ``seq`` and its hash, updates the
-projection and the head, and commits: ``seq`` stays gapless and the chain unbroken under any
-number of writers, and two ``begin`` for one call id can never interleave. A transaction is two
-round trips (psycopg's pipeline mode), so a guarded call costs about one plain INSERT transaction.
+Every append moves the one ``chain_head`` row in the transaction that inserts the event (with the
+next ``seq`` and its hash) and updates the call's projection row, so that row's lock orders all
+appends: ``seq`` stays gapless and the chain unbroken under any number of writers, and two
+``begin`` for one call id can never interleave. A write either locks the head first and then reads
+(two round trips, pipelined), or, right after this object's own write, is one compare-and-set of
+the head (one round trip); docs/postgres.md explains both. Only ``pending`` is committed
+synchronously.
 
 While the server cannot be reached, writes raise :class:`~journal.errors.JournalError` within
 the connect timeout (the guard refuses the call ``store_unavailable`` and runs nothing); after

@@ -405,3 +405,15 @@ def test_a_lock_held_past_the_busy_deadline_is_store_busy_and_the_guard_refuses(
             assert charge("b", 2) == 2  # the lock is gone: the call runs
         assert ran == ["a", "b"]
         assert journal.verify().ok and journal.get("c1") is None
+
+
+def test_a_nul_character_cannot_be_stored_and_changes_nothing(journal: PostgresJournal) -> None:
+    run(journal, "c1")
+    head = journal.head()
+    with pytest.raises(JournalError, match="NUL"):
+        run(journal, "bad\x00id")
+    with pytest.raises(JournalError, match="NUL"):
+        journal.append(EffectEvent(kind="refused", call_id="c1", tool="charge\x00", attempt=1))
+    assert journal.head() == head
+    run(journal, "c2")  # the journal carries on
+    assert journal.verify().ok and journal.head()[0] == 2
