@@ -4,93 +4,62 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
 import orjson
 
-from journal.events import JournalEvent
-
-# The CSV columns, in this order: section 3's fields, each hash of a JSON value beside it.
-CSV_COLUMNS: tuple[str, ...] = (
-    "seq",
-    "at",
-    "call_id",
-    "kind",
-    "tool",
-    "agent_id",
-    "idempotency_key",
-    "arguments",
-    "arguments_sha256",
-    "value",
-    "value_sha256",
-    "error",
-    "reason",
-    "actor",
-    "attempt",
-    "owner",
-    "prev_hash",
-    "hash",
-    "redacted",
-)
-# Fields whose cell holds JSON text; a null there is an empty cell.
-JSON_COLUMNS = frozenset({"arguments", "value", "error", "reason", "owner", "redacted"})
+from journal.export import CSV_COLUMNS, csv_cells, jsonl_lines
 
 BATCH = 2000
-_LINE = orjson.OPT_APPEND_NEWLINE
-
-
-def _cell(name: str, value: Any) -> str:
-    if value is None:
-        return ""
-    if name in JSON_COLUMNS:
-        return orjson.dumps(value).decode()
-    return str(value)
-
-
-def _jsonl(batch: list[JournalEvent], redact: frozenset[str]) -> bytes:
-    dumps = orjson.dumps
-    return b"".join([dumps(e.export(redact), option=_LINE) for e in batch])
-
-
-def _csv(batch: list[JournalEvent], redact: frozenset[str]) -> bytes:
-    text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    for event in batch:
-        line = event.export(redact)
-        writer.writerow([_cell(name, line.get(name)) for name in CSV_COLUMNS])
-    return text.getvalue().encode()
 
 
 def write_events(
-    events: Iterable[JournalEvent],
+    rows: Iterable[tuple[Any, ...]],
     out: BinaryIO,
     *,
     fmt: str,
     redact: frozenset[str] = frozenset(),
     advance: Callable[[int], None] | None = None,
 ) -> int:
-    """Write ``events`` to ``out`` as ``fmt`` (``jsonl`` or ``csv``, which starts with a header
-    row) in batches of :data:`BATCH`; ``advance(n)`` is told after each batch. Returns the count."""
-    encode = _jsonl if fmt == "jsonl" else _csv
-    if fmt == "csv":
-        out.write((",".join(CSV_COLUMNS) + "\n").encode())
+    """Write the stored event ``rows`` (a journal's ``event_rows``) to ``out`` as ``fmt``
+    (``jsonl``, or ``csv``, which starts with a header row of :data:`journal.export.CSV_COLUMNS`)
+    in batches of :data:`BATCH`; ``advance(n)`` is told after each batch. Returns the count."""
+    batches = _csv_batches(rows, redact) if fmt == "csv" else _jsonl_batches(rows, redact)
     written = 0
-    batch: list[JournalEvent] = []
-    for event in events:
-        batch.append(event)
+    for chunk, count in batches:
+        out.write(chunk)
+        written += count
+        if advance is not None and count:
+            advance(count)
+    return written
+
+
+def _jsonl_batches(rows: Iterable[tuple[Any, ...]], redact: frozenset[str]) -> Iterator[tuple[bytes, int]]:
+    batch: list[bytes] = []
+    for line in jsonl_lines(rows, redact):
+        batch.append(line)
         if len(batch) >= BATCH:
-            out.write(encode(batch, redact))
-            written += len(batch)
-            if advance is not None:
-                advance(len(batch))
+            yield b"".join(batch), len(batch)
             batch = []
     if batch:
-        out.write(encode(batch, redact))
-        written += len(batch)
-        if advance is not None:
-            advance(len(batch))
-    return written
+        yield b"".join(batch), len(batch)
+
+
+def _csv_batches(rows: Iterable[tuple[Any, ...]], redact: frozenset[str]) -> Iterator[tuple[bytes, int]]:
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    n = 0
+    for cells in csv_cells(rows, redact):
+        writer.writerow(cells)
+        n += 1
+        if n >= BATCH:
+            yield text.getvalue().encode(), n
+            text.seek(0)
+            text.truncate()
+            n = 0
+    yield text.getvalue().encode(), n
 
 
 class NotJsonLines(ValueError):

@@ -278,7 +278,7 @@ def export(
         if output is None:
             with _quiet_broken_pipe():
                 out = _stdout()
-                write_events(j.events(**filters), out, fmt=fmt, redact=redact)
+                write_events(j.event_rows(**filters), out, fmt=fmt, redact=redact)
                 out.flush()
             return
         written = _export_to_file(j, filters, output, fmt, redact)
@@ -296,9 +296,9 @@ def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, red
             if sys.stderr.isatty():
                 with click.progressbar(length=j.count_events(**filters), label="Exporting",
                                        file=sys.stderr) as bar:
-                    written = write_events(j.events(**filters), out, fmt=fmt, redact=redact, advance=bar.update)
+                    written = write_events(j.event_rows(**filters), out, fmt=fmt, redact=redact, advance=bar.update)
             else:
-                written = write_events(j.events(**filters), out, fmt=fmt, redact=redact)
+                written = write_events(j.event_rows(**filters), out, fmt=fmt, redact=redact)
         os.replace(partial, output)
     except BaseException:
         Path(partial).unlink(missing_ok=True)

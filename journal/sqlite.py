@@ -25,7 +25,7 @@ import orjson
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at, parse_at
 
 from . import schema
-from .chain import GENESIS, ChainCheck, compute_hash, hash_of
+from .chain import GENESIS, ChainCheck, compute_hash
 from .errors import (
     JournalError,
     JournalNotFound,
@@ -34,7 +34,8 @@ from .errors import (
     StoreBusy,
 )
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
-from .projection import fold_into
+from .export import row_hash
+from .projection import fold_into, fold_row, record_row
 from .rows import json_text, operator_event
 
 __all__ = ["SQLiteJournal"]
@@ -547,12 +548,28 @@ class SQLiteJournal:
     ) -> Iterator[JournalEvent]:
         """The events in ``seq`` order, filtered (``since <= at < until``, ``seq > after_seq``), read in
         batches so that memory stays bounded however long the log is."""
+        for row in self.event_rows(
+            call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until, after_seq=after_seq
+        ):
+            yield self._decoded(_event_of, row)
+
+    def event_rows(
+        self,
+        *,
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        after_seq: int = 0,
+    ) -> Iterator[tuple[Any, ...]]:
+        """What :meth:`events` gives, as the stored rows (columns of ``journal.rows.EVENT_COLUMNS``:
+        ``at`` and the JSON fields as their stored text), for exports that stream millions."""
         where, params = _event_filter(call_id, tool, agent_id, since, until, after_seq)
         sql = f"SELECT {_EVENT_COLUMNS} FROM events WHERE {where} ORDER BY seq LIMIT {_BATCH}"
         while True:
             rows = self._read(lambda c: c.execute(sql, params).fetchall())
-            for row in rows:
-                yield self._decoded(_event_of, row)
+            yield from rows
             if len(rows) < _BATCH:
                 return
             params[0] = rows[-1][0]
@@ -629,23 +646,18 @@ class SQLiteJournal:
         try:
             for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
                 try:
-                    event = _event_of(row)
-                    expected = hash_of(event)
-                except (ValueError, TypeError) as e:
+                    expected = row_hash(row)
+                except (ValueError, TypeError, AttributeError) as e:
                     check.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
                     break
-                if not check.feed(event.seq, event.prev_hash, event.hash, expected):
+                if not check.feed(row[0], row[14], row[15], expected):
                     break
-                fold_into(folded, event)
+                fold_row(folded, row)
             if not check.ok:
                 return check.report()
             for row in conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"):
                 expected_record = folded.pop(row[0], None)
-                try:
-                    record = _record_of(row)
-                except (ValueError, TypeError):
-                    record = None
-                if record != expected_record:
+                if expected_record is None or record_row(expected_record) != row:
                     seq = expected_record.last_seq if expected_record is not None else row[15]
                     check.fail(seq, f"the projection of call {row[0]!r} differs from the log; run rebuild")
                     return check.report()

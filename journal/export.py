@@ -1,0 +1,113 @@
+"""The audit trail from stored rows: export lines, CSV cells and recomputed hashes, without
+building a :class:`~journal.events.JournalEvent` per event (export and verify stream millions).
+
+A row has the columns of :data:`journal.rows.EVENT_COLUMNS`, as both SQL journals store them:
+``at`` as its exported ISO-8601 text, JSON fields as canonical JSON text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import orjson
+
+from .errors import JournalError
+from .events import REDACTABLE
+
+__all__ = ["CSV_COLUMNS", "csv_cells", "jsonl_lines", "row_hash"]
+
+# The CSV columns, in this order: section 3's fields, each digest of a JSON value beside it.
+CSV_COLUMNS: tuple[str, ...] = (
+    "seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments", "arguments_sha256",
+    "value", "value_sha256", "error", "reason", "actor", "attempt", "owner", "prev_hash", "hash", "redacted",
+)
+
+_sha256 = hashlib.sha256
+_loads = orjson.loads
+_dumps = orjson.dumps
+_Fragment = orjson.Fragment
+_SORTED = orjson.OPT_SORT_KEYS
+_NEWLINE = orjson.OPT_APPEND_NEWLINE
+
+
+def _digest(text: str | None) -> str | None:
+    return None if text is None else _sha256(text.encode()).hexdigest()
+
+
+def _json(row: tuple[Any, ...], index: int, name: str) -> Any:
+    text = row[index]
+    if text is None:
+        return None
+    try:
+        return _loads(text)
+    except orjson.JSONDecodeError as e:
+        raise JournalError(
+            f"The {name} of event seq {row[0]} is not JSON; the journal has been altered (run verify)."
+        ) from e
+
+
+def _check_redact(redact: frozenset[str]) -> None:
+    unknown = redact - REDACTABLE
+    if unknown:
+        raise ValueError(
+            f"cannot redact {', '.join(sorted(unknown))}: redactable fields are {', '.join(sorted(REDACTABLE))}"
+        )
+
+
+def _line(row: tuple[Any, ...], redact: frozenset[str], redacted: list[str]) -> dict[str, Any]:
+    return {
+        "seq": row[0], "at": row[1], "call_id": row[2], "kind": row[3], "tool": row[4], "agent_id": row[5],
+        "idempotency_key": row[6],
+        "arguments": None if "arguments" in redact else _json(row, 7, "arguments"),
+        "arguments_sha256": _digest(row[7]),
+        "value": None if "value" in redact else _json(row, 8, "value"),
+        "value_sha256": _digest(row[8]),
+        "error": _json(row, 9, "error"), "reason": _json(row, 10, "reason"), "actor": row[11],
+        "attempt": row[12], "owner": _json(row, 13, "owner"), "prev_hash": row[14], "hash": row[15],
+        "redacted": redacted,
+    }
+
+
+def jsonl_lines(rows: Iterable[tuple[Any, ...]], redact: frozenset[str] = frozenset()) -> Iterator[bytes]:
+    """One JSON line (with its newline) per row: the export line of SPEC section 4, the same object
+    as :meth:`JournalEvent.export`. Raises :class:`JournalError` for a stored field that is not JSON."""
+    _check_redact(redact)
+    redacted = sorted(redact)
+    for row in rows:
+        yield _dumps(_line(row, redact, redacted), option=_NEWLINE)
+
+
+def csv_cells(rows: Iterable[tuple[Any, ...]], redact: frozenset[str] = frozenset()) -> Iterator[list[str]]:
+    """The CSV cells of each row, in :data:`CSV_COLUMNS` order: JSON values as their JSON text,
+    null as an empty cell."""
+    _check_redact(redact)
+    redacted_text = _dumps(sorted(redact)).decode()
+    for row in rows:
+        for index, name in ((7, "arguments"), (8, "value"), (9, "error"), (10, "reason"), (13, "owner")):
+            _json(row, index, name)  # a cell of text that is not JSON would hide an altered journal
+        yield [
+            str(row[0]), row[1], row[2] or "", row[3], row[4], row[5] or "", row[6] or "",
+            "" if "arguments" in redact or row[7] is None else row[7], _digest(row[7]) or "",
+            "" if "value" in redact or row[8] is None else row[8], _digest(row[8]) or "",
+            row[9] or "", row[10] or "", row[11], str(row[12]), row[13] or "", row[14], row[15], redacted_text,
+        ]
+
+
+def row_hash(row: tuple[Any, ...]) -> str:
+    """The hash a stored row should carry, recomputed by the rule of section 3 from its own fields.
+
+    The stored error, reason and owner are canonical JSON text already, so they enter the body as
+    they are; a stored text that is not canonical (an altered row) gives another hash, as it should.
+    """
+    error, reason, owner = row[9], row[10], row[13]
+    body = _dumps({
+        "seq": row[0], "at": row[1], "call_id": row[2], "kind": row[3], "tool": row[4], "agent_id": row[5],
+        "idempotency_key": row[6], "arguments_sha256": _digest(row[7]), "value_sha256": _digest(row[8]),
+        "error": None if error is None else _Fragment(error),
+        "reason": None if reason is None else _Fragment(reason),
+        "actor": row[11], "attempt": row[12],
+        "owner": None if owner is None else _Fragment(owner),
+    }, option=_SORTED)
+    return _sha256(row[14].encode("ascii") + body).hexdigest()
