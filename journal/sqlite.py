@@ -196,6 +196,7 @@ class SQLiteJournal:
         if str(path) == ":memory:" or str(path).startswith("file:"):
             raise ValueError(f"SQLiteJournal takes the path of a file, not {str(path)!r}")
         self.path = Path(path)
+        self._wal_path = os.path.abspath(f"{self.path}-wal")  # fsynced by begin, wherever the cwd moves
         self.durability: Durability = durability
         self.busy_timeout = float(busy_timeout)
         self.readonly = readonly
@@ -439,7 +440,7 @@ class SQLiteJournal:
 
     def _sync_wal(self) -> None:
         """fsync the WAL file, where the commits are until a checkpoint (which fsyncs them itself)."""
-        wal = f"{self.path}-wal"
+        wal = self._wal_path
         try:
             fd = self._wal_fd
             if fd is None or os.fstat(fd).st_ino != os.stat(wal).st_ino:

@@ -193,3 +193,23 @@ def test_a_process_killed_right_after_begin_keeps_a_pending_for_every_effect(tmp
     assert set(ran) <= pending, f"effects without a pending: {sorted(set(ran) - pending)[:5]}"
     assert journal.verify().ok
     journal.close()
+
+
+def test_a_journal_opened_by_a_relative_path_keeps_syncing_after_the_process_changes_directory(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    journal = SQLiteJournal("j.db", durability="full")
+    ran: list[int] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(account: str, cents: int) -> int:
+        ran.append(cents)
+        return cents
+
+    assert call(charge, "c1", "acct", 1) == 1
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert call(charge, "c2", "acct", 2) == 2  # not refused store_unavailable: the WAL is still found
+    assert ran == [1, 2]
+    journal.close()
