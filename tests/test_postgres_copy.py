@@ -169,7 +169,7 @@ def test_a_source_that_does_not_verify_is_not_copied(sqlite_source: Path, pg_dsn
     with sqlite3.connect(sqlite_source) as conn:  # an intruder with write access to the file
         conn.execute("DROP TRIGGER events_no_update")
         conn.execute("UPDATE events SET value = '{\"charged\":1}' WHERE seq = 2")
-    with pytest.raises(JournalError, match="does not verify.*seq 2"):
+    with pytest.raises(JournalError, match=r"does not verify.*seq 2"):
         copy_journal(str(sqlite_source), pg_dsn)
     with psycopg.connect(pg_dsn) as conn:
         assert conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone() == (0,)
