@@ -386,7 +386,12 @@ class SQLiteJournal:
     def begin(self, call_id: str, decide: Decide) -> Decision:
         """Decide and record one attempt of ``call_id`` atomically (see :class:`~guard.store.EffectStore`).
 
-        Raises :class:`StoreBusy` past the busy deadline, :class:`JournalError` on any other failure.
+        At ``durability="full"``, when the decision records ``pending`` this returns only once an
+        fsync of the WAL that began after its commit has completed (one this thread makes, or one
+        another thread was making for it too), so the tool never runs before its ``pending`` is on disk.
+
+        Raises :class:`StoreBusy` past the busy deadline, :class:`JournalError` on any other failure
+        (an fsync that fails too: the call is then left ``pending``, and is refused, never run, on a retry).
         """
 
         def step(conn: sqlite3.Connection) -> Decision:
