@@ -391,7 +391,7 @@ class SQLiteJournal:
         another thread was making for it too), so the tool never runs before its ``pending`` is on disk.
 
         Raises :class:`StoreBusy` past the busy deadline, :class:`JournalError` on any other failure
-        (an fsync that fails too: the call is then left ``pending``, and is refused, never run, on a retry).
+        (an fsync that fails too: the guard then refuses the call, and a retry finds it ``pending``).
         """
 
         def step(conn: sqlite3.Connection) -> Decision:
