@@ -3341,3 +3341,339 @@ def test_not_a_journal_error_is_clear(tmp_path: Path) -> None:
         SQLiteJournal(str(text))
     assert not isinstance(info.value, sqlite3.Error)
     assert str(info.value)
+
+
+def test_read_only_commands_never_migrate_an_older_journal(journal: Any, db: Path) -> None:
+    populate(journal)
+    close(journal)
+    conn = sqlite3.connect(str(db))
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    conn.execute(f"PRAGMA user_version = {version - 1}")
+    conn.commit()
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    before = db.read_bytes()
+    for args in (["stats", "--json"], ["show", "--json"], ["show", "c-pay"], ["verify"], ["export"]):
+        result = run_cli("journal", args[0], "--db", str(db), *args[1:])
+        assert result.exit_code in (0, 1), result.output
+        assert "Traceback" not in result.output
+    conn = sqlite3.connect(str(db))
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == version - 1
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    assert db.read_bytes() == before
+
+
+def test_verify_finds_a_projection_that_differs_from_the_log(journal: Any, db: Path) -> None:
+    populate(journal)
+    close(journal)
+    for mutation in ("DELETE FROM \"{t}\" WHERE call_id = 'c-ship'",
+                     "UPDATE \"{t}\" SET attempt = 7 WHERE call_id = 'c-pay'",
+                     "UPDATE \"{t}\" SET tool = 'other' WHERE call_id = 'c-flaky'"):
+        copy = db.with_name("copy.db")
+        if copy.exists():
+            copy.unlink()
+        src, dst = sqlite3.connect(str(db)), sqlite3.connect(str(copy))
+        src.backup(dst)
+        src.close()
+        dst.close()
+        conn = raw(copy)
+        try:
+            conn.execute(mutation.format(t=projection_table(conn)))
+        except sqlite3.DatabaseError:
+            conn.close()
+            continue
+        conn.close()
+        result = run_cli("journal", "verify", "--db", str(copy))
+        assert result.exit_code == 1, (mutation, result.output)
+        j = SQLiteJournal(str(copy))
+        try:
+            assert report_field(j.verify(), "ok") is False
+        finally:
+            close(j)
+
+
+def test_adapter_call_id_wins_over_the_host_context(adapter_tools: Any) -> None:
+    from guard.adapters import anthropic as an
+    from guard.adapters import openai as oa
+
+    tools, runs, seen = adapter_tools
+    with AirlockContext(agent_id="host", metadata={"tool_call_id": "outer"}):
+        oa.dispatch({"id": "call_in", "function": {"name": "pay", "arguments": '{"account": "x"}'}}, tools)
+        an.dispatch({"type": "tool_use", "id": "toolu_in", "name": "pay", "input": {"account": "y"}}, tools)
+        assert get_current_context().metadata["tool_call_id"] == "outer"
+    assert [s[0] for s in seen] == ["call_in", "toolu_in"]
+
+
+def test_adapter_refusal_text_is_the_whole_refusal(adapter_tools: Any) -> None:
+    from guard.adapters import anthropic as an
+
+    tools, _, _ = adapter_tools
+    out = an.dispatch({"type": "tool_use", "id": "toolu_R", "name": "wipe", "input": {"disk": "d"}}, tools)
+    body = json.loads(out["content"])
+    assert body["success"] is False and body["status"] == "blocked" and body["block_reason"] == "policy_violation"
+    assert body["metadata"]["tool"] == "wipe" and body["metadata"]["tool_call_id"] == "toolu_R"
+
+
+def test_adispatch_with_a_sync_tool(adapter_tools: Any) -> None:
+    from guard.adapters import anthropic as an
+    from guard.adapters import openai as oa
+
+    tools, runs, seen = adapter_tools
+
+    async def go() -> tuple[Any, Any]:
+        a = await oa.adispatch({"type": "function_call", "call_id": "fc_sync", "name": "pay",
+                                "arguments": '{"account": "s"}'}, tools)
+        b = await an.adispatch({"type": "tool_use", "id": "toolu_sync", "name": "pay", "input": {"account": "t"}},
+                               tools)
+        return a, b
+
+    a, b = asyncio.run(go())
+    assert a["type"] == "function_call_output" and json.loads(a["output"]) == {"paid": 1}
+    assert b["is_error"] is False and json.loads(b["content"]) == {"paid": 1}
+    assert [s[0] for s in seen] == ["fc_sync", "toolu_sync"]
+
+
+def test_adispatch_bad_arguments(adapter_tools: Any, db: Path) -> None:
+    from guard.adapters import anthropic as an
+    from guard.adapters import openai as oa
+
+    tools, runs, _ = adapter_tools
+
+    async def go() -> tuple[Any, Any]:
+        a = await oa.adispatch({"id": "call_bad", "function": {"name": "pay", "arguments": "[1,"}}, tools)
+        b = await an.adispatch({"type": "tool_use", "id": "toolu_bad", "name": "pay", "input": {"zz": 1}}, tools)
+        return a, b
+
+    a, b = asyncio.run(go())
+    assert a["tool_call_id"] == "call_bad" and b["is_error"] is True
+    assert runs == []
+    assert count(db, "refused") == 2
+
+
+def test_committed_reversible_call_is_replayed_not_run(any_store: Any) -> None:
+    runs: list[Any] = []
+
+    @guard_for(any_store)
+    @reversibility("reversible")
+    def look(q: str) -> dict[str, Any]:
+        runs.append(q)
+        return {"hits": (len(runs),)}
+
+    with ctx("cr-2"):
+        assert look("q") == {"hits": (1,)}
+    with ctx("cr-2"):
+        assert look("q") == {"hits": [1]}
+    assert runs == ["q"]
+
+
+def test_in_flight_call_with_other_arguments_is_a_reuse(journal: Any, db: Path) -> None:
+    gate = threading.Event()
+    entered = threading.Event()
+    runs: list[Any] = []
+
+    @guard_for(journal)
+    def pay(account: str) -> str:
+        runs.append(account)
+        entered.set()
+        gate.wait(10)
+        return "paid"
+
+    t = threading.Thread(target=lambda: (ctx("fl-1").__enter__(), pay("a")))
+    t.start()
+    try:
+        assert entered.wait(10)
+        with ctx("fl-1"):
+            other = pay("b")
+        with ctx("fl-1"):
+            same = pay("a")
+    finally:
+        gate.set()
+        t.join(10)
+    assert other["block_reason"] == "policy_violation"
+    assert other["metadata"]["violation_type"] == "tool_call_id_reused"
+    assert same["block_reason"] == "effect_status_unknown" and same["metadata"]["status"] == "pending"
+    assert runs == ["a"]
+
+
+def test_an_id_with_only_refusals_is_not_seen(journal: Any, db: Path) -> None:
+    runs: list[Any] = []
+    denied = make_pay(guard_for(journal, denied_tools=["pay"]), runs)
+    allowed = make_pay(guard_for(journal), runs)
+    with ctx("or-1"):
+        assert denied("a")["block_reason"] == "policy_violation"
+    with ctx("or-1"):
+        assert allowed("b") == {"charged": 100, "account": "b"}
+    assert runs == [("b", 100)]
+    assert db_calls(db)["or-1"]["attempt"] == 1
+
+
+# --------------------------------------------------------------------------------------------------------------
+# names and signatures as the contract spells them
+
+
+def _params(fn: Any) -> dict[str, Any]:
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items()}
+
+
+def test_public_signatures() -> None:
+    assert _params(SecurityPolicy) == {
+        "allowed_tools": None, "denied_tools": (), "escalate_tools": None, "approver": None,
+        "granted_capabilities": (), "effect_guard": None,
+    }
+    eg = _params(EffectGuard)
+    assert list(eg)[:5] == ["store", "require_tool_call_id", "require_approval_for_irreversible", "target_args",
+                            "ambiguous_errors"]
+    assert eg["store"] is None and eg["require_tool_call_id"] is True
+    assert eg["require_approval_for_irreversible"] is False and tuple(eg["target_args"]) == ()
+    assert tuple(eg["ambiguous_errors"]) == (TimeoutError, ConnectionResetError, ConnectionAbortedError,
+                                             BrokenPipeError, EffectOutcomeUnknown)
+    air = _params(Airlock)
+    assert "policy" in air and air["on_block"] == "return"
+    ctxp = _params(AirlockContext)
+    assert ctxp["agent_id"] is None and ctxp["metadata"] is None
+    j = _params(SQLiteJournal)
+    assert list(j)[0] == "path" and j["durability"] == "full" and j["busy_timeout"] == 30.0
+    assert list(_params(idempotency_key))[:2] == ["tool", "arguments"]
+
+
+def test_adapter_signatures() -> None:
+    from guard.adapters import anthropic as an
+    from guard.adapters import openai as oa
+
+    for fn, first in ((oa.dispatch, "tool_call"), (oa.adispatch, "tool_call"), (an.dispatch, "block"),
+                      (an.adispatch, "block")):
+        params = inspect.signature(fn).parameters
+        names = list(params)
+        assert names[:2] == [first, "tools"], fn
+        assert params["agent_id"].kind is inspect.Parameter.KEYWORD_ONLY and params["agent_id"].default is None
+    assert inspect.iscoroutinefunction(oa.adispatch) and inspect.iscoroutinefunction(an.adispatch)
+
+
+def test_distribution_metadata() -> None:
+    from importlib import metadata
+
+    dist = metadata.distribution("airlock-journal")
+    assert dist.metadata["Requires-Python"].replace(" ", "") == ">=3.11"
+    requires = dist.requires or []
+    base = {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requires if "extra ==" not in r}
+    assert base == {"orjson", "click", "sqlite-utils"}
+    pg = [r for r in requires if r.lower().startswith("psycopg") and "extra ==" in r]
+    assert any('extra == "postgres"' in r for r in pg)
+    scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
+    assert scripts == {"airlock": "cli.main:main"}
+
+
+SIZED_EXPORT_SCRIPT = r"""
+import sys, tracemalloc
+tracemalloc.start()
+from cli.main import main
+try:
+    main(["journal", "export", "--db", sys.argv[1], "--output", sys.argv[2]])
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+print(tracemalloc.get_traced_memory()[1])
+"""
+
+
+def _grow(path: Path, n: int, size: int) -> None:
+    j = SQLiteJournal(str(path), durability="process")
+    pay = make_pay(guard_for(j), [])
+    with ctx("seed"):
+        pay("a")
+    close(j)
+    conn = raw(path)
+    try:
+        t = events_table(conn)
+        row = dict(conn.execute(f'SELECT * FROM "{t}" WHERE seq = 1').fetchone())
+        cols = list(row)
+        blob = json.dumps({"blob": "x" * size})
+        conn.execute("BEGIN")
+        for i in range(3, n + 3):
+            row.update(seq=i, arguments=blob, call_id=f"b{i}", hash=f"{i:064x}")
+            conn.execute(f'INSERT INTO "{t}" ({",".join(cols)}) VALUES ({",".join("?" * len(cols))})',
+                         [row[c] for c in cols])
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def test_export_streams_in_bounded_memory(tmp_path: Path) -> None:
+    peaks = []
+    for n in (1500, 9000):
+        path = tmp_path / f"{n}.db"
+        _grow(path, n, 2000)
+        out = subprocess.run([PYTHON, "-c", SIZED_EXPORT_SCRIPT, str(path), str(tmp_path / f"{n}.jsonl")],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert len((tmp_path / f"{n}.jsonl").read_text().splitlines()) == n + 2
+        peaks.append(int(out.stdout.strip().splitlines()[-1]))
+    # six times the log, not six times the memory
+    assert peaks[1] < peaks[0] * 1.5 + 4_000_000, peaks
+
+
+@pytest.mark.parametrize("value", [0, False, [], {}, "0", " "])
+def test_target_args_any_value_but_none_and_empty_string_counts(value: Any) -> None:
+    runs: list[Any] = []
+
+    @guard_for(InMemoryEffectStore(), eg={"target_args": ("account",)})
+    def pay(account: Any) -> str:
+        runs.append(account)
+        return "paid"
+
+    with ctx(f"tv-{value!r}"):
+        assert pay(value) == "paid"
+    assert runs == [value]
+
+
+def test_json_columns_hold_json_text(journal: Any, db: Path) -> None:
+    populate(journal)
+    conn = raw(db)
+    try:
+        t = events_table(conn)
+        for col in JSON_COLUMNS:
+            types = {r[0] for r in conn.execute(f'SELECT DISTINCT typeof("{col}") FROM "{t}"')}
+            assert types <= {"text", "null"}, (col, types)
+    finally:
+        conn.close()
+
+
+def test_projection_is_written_with_its_event(journal: Any, db: Path) -> None:
+    pay = make_pay(guard_for(journal), [])
+    stop = threading.Event()
+
+    def writer(n: int) -> None:
+        i = 0
+        while not stop.is_set() and i < 60:
+            with ctx(f"tx{n}-{i}"):
+                pay("a", i)
+            i += 1
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    conn = raw(db)
+    mismatches = []
+    checks = 0
+    try:
+        et, pt = events_table(conn), projection_table(conn)
+        deadline = time.monotonic() + 20
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            conn.execute("BEGIN")
+            events = conn.execute(f'SELECT call_id, kind, attempt FROM "{et}" ORDER BY seq').fetchall()
+            calls = {r[0]: (r[1], r[2]) for r in conn.execute(f'SELECT call_id, status, attempt FROM "{pt}"')}
+            conn.execute("COMMIT")
+            fold: dict[str, tuple[str, int]] = {}
+            for cid, kind, attempt in events:
+                if kind not in ("refused", "replayed"):
+                    fold[cid] = (kind, attempt)
+            if fold != calls:
+                mismatches.append((len(events), len(calls)))
+            checks += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        conn.close()
+    assert checks > 0
+    assert mismatches == []
