@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at
 
@@ -284,12 +284,16 @@ class PostgresJournal:
             return self._pool.getconn(timeout=min(self.connect_timeout, self.busy_timeout))
         except PoolTimeout:
             pass
+        except PoolClosed as e:
+            raise JournalError(f"cannot {doing}: the journal {self.name} is closed") from e
         # No connection in connect_timeout: a busy pool, or a server that is down (then fail now).
         self._probe(doing)
         try:
             return self._pool.getconn(timeout=max(0.001, deadline - time.monotonic()))
         except PoolTimeout as e:
             raise self._translate(e, doing) from e
+        except PoolClosed as e:
+            raise JournalError(f"cannot {doing}: the journal {self.name} is closed") from e
 
     def _read(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """Run one query and fetch its rows; a dead pooled connection is replaced once."""

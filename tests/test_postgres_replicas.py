@@ -271,3 +271,43 @@ def test_replicas_through_a_server_restart_lose_and_double_nothing(
         assert any(r == "value" and at > restarted_at for _, r, at in seen), "no call succeeded after"
         report = journal.verify()
         assert report.ok and report.events == journal.count_events()
+
+
+# -- a journal object inherited through fork -----------------------------------------------------
+
+
+FORK = multiprocessing.get_context("fork")
+CHILD_CALLS = 60
+
+
+def _forked_child(journal: PostgresJournal, ledger: str, results: Any) -> None:
+    charge = make_charge(journal, ledger)
+    outcomes = []
+    for n in range(CHILD_CALLS):
+        with AirlockContext(metadata={"tool_call_id": f"child-{n}"}):
+            outcomes.append(outcome(charge("acct", n)))
+    results.put(outcomes)
+
+
+def test_a_journal_inherited_through_fork_gets_a_pool_of_its_own(pg_dsn: str, tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    journal = PostgresJournal(pg_dsn)
+    charge = make_charge(journal, str(ledger))
+    with AirlockContext(metadata={"tool_call_id": "parent-0"}):
+        assert outcome(charge("acct", 1)) == "value"
+    results = FORK.Queue()
+    child = FORK.Process(target=_forked_child, args=(journal, str(ledger), results))
+    child.start()
+    # Both use the journal at once: a connection shared through fork would mix their sessions.
+    for n in range(1, CHILD_CALLS + 1):
+        with AirlockContext(metadata={"tool_call_id": f"parent-{n}"}):
+            assert outcome(charge("acct", n)) == "value"
+    assert results.get(timeout=120) == ["value"] * CHILD_CALLS
+    child.join(timeout=60)
+    with AirlockContext(metadata={"tool_call_id": "child-0"}):
+        assert outcome(charge("acct", 0)) == "value"  # a replay of the child's call
+    calls = [f"parent-{n}" for n in range(CHILD_CALLS + 1)] + [f"child-{n}" for n in range(CHILD_CALLS)]
+    assert sorted(effects(ledger)) == sorted(calls)
+    report = journal.verify()
+    assert report.ok and report.events == 2 * len(calls) + 1
+    journal.close()
