@@ -3677,3 +3677,226 @@ def test_projection_is_written_with_its_event(journal: Any, db: Path) -> None:
         conn.close()
     assert checks > 0
     assert mismatches == []
+
+
+def test_refused_async_call_is_still_awaitable() -> None:
+    @guard_for(InMemoryEffectStore(), denied_tools=["den"])
+    async def den(x: int) -> int:
+        return x
+
+    result = den(1)
+    assert inspect.isawaitable(result)
+    refusal = asyncio.run(result)
+    assert is_refusal(refusal) and refusal["block_reason"] == "policy_violation"
+
+    @guard_for(InMemoryEffectStore(), denied_tools=["den2"], on_block="raise")
+    async def den2(x: int) -> int:
+        return x
+
+    async def go() -> None:
+        with pytest.raises(AirlockBlocked):
+            await den2(1)
+
+    asyncio.run(go())
+
+
+def test_generator_functions_decorated_directly_are_deferred() -> None:
+    airlock = guard_for(InMemoryEffectStore())
+
+    @airlock
+    def gen(x: int) -> Iterator[int]:
+        yield x
+
+    @airlock
+    async def agen(x: int) -> Any:
+        yield x
+
+    with ctx("gd-1"):
+        g = gen(1)
+    assert inspect.isgenerator(g) and list(g) == [1]
+    with ctx("gd-1"):
+        assert gen(1)["block_reason"] == "effect_status_unknown"
+    with ctx("gd-2"):
+        a = agen(1)
+    assert inspect.isasyncgen(a)
+    with ctx("gd-2"):
+        assert agen(1)["block_reason"] == "effect_status_unknown"
+
+
+TZ_SCRIPT = r"""
+import sys
+from guard import Airlock, AirlockContext, SecurityPolicy
+from guard.effect_guard import EffectGuard
+from journal import SQLiteJournal
+j = SQLiteJournal(sys.argv[1])
+@Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=j)))
+def charge(account):
+    return "ok"
+with AirlockContext(metadata={"tool_call_id": "tz-1"}):
+    charge("a")
+j.close()
+"""
+
+
+def test_times_are_utc_whatever_the_local_zone(tmp_path: Path) -> None:
+    db = tmp_path / "tz.db"
+    env = dict(os.environ, TZ="America/Los_Angeles")
+    before = dt.datetime.now(dt.timezone.utc)
+    subprocess.run([PYTHON, "-c", TZ_SCRIPT, str(db)], check=True, timeout=60, env=env)
+    after = dt.datetime.now(dt.timezone.utc)
+    out = subprocess.run([AIRLOCK, "journal", "export", "--db", str(db)], capture_output=True, text=True,
+                         timeout=60, env=env, check=True)
+    for line in out.stdout.splitlines():
+        at = json.loads(line)["at"]
+        assert AT_RE.match(at)
+        when = dt.datetime.fromisoformat(at.replace("Z", "+00:00"))
+        assert before - dt.timedelta(seconds=2) <= when <= after + dt.timedelta(seconds=2)
+    stats = subprocess.run([AIRLOCK, "journal", "show", "tz-1", "--db", str(db), "--json"], capture_output=True,
+                           text=True, timeout=60, env=env, check=True)
+    for e in json.loads(stats.stdout)["events"]:
+        when = dt.datetime.fromisoformat(e["at"].replace("Z", "+00:00"))
+        assert before - dt.timedelta(seconds=2) <= when <= after + dt.timedelta(seconds=2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the table of 2.6 as a model, against every store
+
+OUTCOMES = ["value", "unencodable", "ambiguous", "error", "deferred"]
+call_steps = st.lists(
+    st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from(["t_irr", "t_rev"]), st.sampled_from([1, 2]),
+              st.sampled_from(OUTCOMES)),
+    min_size=1, max_size=12,
+)
+
+
+class _Unencodable:
+    pass
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(steps=call_steps)
+def test_the_effect_table_as_a_model(tmp_path_factory: pytest.TempPathFactory, steps: list[Any]) -> None:
+    path = tmp_path_factory.mktemp("model") / "m.db"
+    for kind in STORES:
+        store = InMemoryEffectStore() if kind == "memory" else SQLiteJournal(str(path), durability="process")
+        try:
+            _run_model(store, steps, path if kind == "sqlite" else None)
+        finally:
+            close(store)
+
+
+def _run_model(store: Any, steps: list[Any], path: Path | None) -> None:
+    airlock = guard_for(store)
+    ran: list[Any] = []
+    plan: dict[str, str] = {}
+
+    def body(name: str, n: int) -> Any:
+        ran.append((name, n))
+        outcome = plan["next"]
+        if outcome == "value":
+            return {"n": n, "t": (n,)}
+        if outcome == "unencodable":
+            return _Unencodable()
+        if outcome == "ambiguous":
+            raise TimeoutError("lost")
+        if outcome == "error":
+            raise ValueError("no")
+        return iter([n])
+
+    def t_irr(n: int) -> Any:
+        return body("t_irr", n)
+
+    def t_rev(n: int) -> Any:
+        return body("t_rev", n)
+
+    tools = {"t_irr": airlock(t_irr), "t_rev": airlock(reversibility("reversible")(t_rev))}
+    model: dict[str, dict[str, Any]] = {}
+    expected_kinds = {"pending": 0, "refused": 0, "replayed": 0}
+    for call_id, tool, n, outcome in steps:
+        plan["next"] = outcome
+        rec = model.get(call_id)
+        runs_before = len(ran)
+        raised: BaseException | None = None
+        with ctx(call_id):
+            try:
+                result = tools[tool](n)
+            except (TimeoutError, ValueError) as e:
+                raised, result = e, None
+        if rec is not None and (rec["tool"] != tool or rec["n"] != n):
+            assert is_refusal(result) and result["block_reason"] == "policy_violation", (call_id, result)
+            assert len(ran) == runs_before
+            expected_kinds["refused"] += 1
+            continue
+        if rec is not None and rec["status"] == "committed":
+            assert len(ran) == runs_before
+            expected_kinds["replayed" if rec["has_value"] else "refused"] += 1
+            if rec["has_value"]:
+                assert result == {"n": n, "t": [n]}
+            else:
+                assert is_refusal(result) and result["block_reason"] == "replay_value_unavailable"
+            continue
+        if rec is not None and rec["status"] == "unknown" and tool == "t_irr":
+            assert is_refusal(result) and result["block_reason"] == "effect_status_unknown"
+            assert len(ran) == runs_before
+            expected_kinds["refused"] += 1
+            continue
+        # runs: a first attempt, a released call, or a reversible one in doubt
+        assert len(ran) == runs_before + 1, (call_id, tool, rec, result)
+        expected_kinds["pending"] += 1
+        attempt = 1 if rec is None else rec["attempt"] + 1
+        status = {"value": "committed", "unencodable": "committed", "ambiguous": "unknown", "error": "released",
+                  "deferred": "unknown"}[outcome]
+        if outcome == "value":
+            assert result == {"n": n, "t": (n,)}
+        elif outcome in ("ambiguous", "error"):
+            assert raised is not None
+        elif outcome == "unencodable":
+            assert isinstance(result, _Unencodable)
+        else:
+            assert list(result) == [n]
+        model[call_id] = {"tool": tool, "n": n, "status": status, "attempt": attempt,
+                          "has_value": outcome == "value"}
+    if path is not None:
+        events = db_events(path)
+        counted = {k: sum(1 for e in events if e["kind"] == k) for k in expected_kinds}
+        assert counted == expected_kinds
+        calls = db_calls(path)
+        assert {c: (r["status"], r["attempt"], r["tool"]) for c, r in calls.items()} == {
+            c: (m["status"], m["attempt"], m["tool"]) for c, m in model.items()}
+        assert report_field(store_verify(path), "ok") is True
+
+
+def store_verify(path: Path) -> Any:
+    j = SQLiteJournal(str(path))
+    try:
+        return j.verify()
+    finally:
+        close(j)
+
+
+def test_an_empty_allowed_list_allows_nothing() -> None:
+    runs: list[Any] = []
+
+    def ping(x: int) -> int:
+        runs.append(x)
+        return x
+
+    result = Airlock(policy=SecurityPolicy(allowed_tools=[]))(ping)(1)
+    assert is_refusal(result) and result["block_reason"] == "policy_violation"
+    assert runs == []
+
+
+def test_requires_stacked_at_two_levels_needs_both() -> None:
+    def pay(account: str) -> str:
+        return "ok"
+
+    for granted, ok in ((("a",), False), (("b",), False), (("a", "b"), True)):
+        airlock = guard_for(InMemoryEffectStore(), granted_capabilities=granted)
+        fn = requires("a")(airlock(requires("b")(pay)))
+        with ctx("rs2-1"):
+            result = fn("x")
+        if ok:
+            assert result == "ok"
+        else:
+            assert is_refusal(result) and result["block_reason"] == "capability_denied", granted
