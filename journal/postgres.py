@@ -286,8 +286,10 @@ class PostgresJournal:
             pass
         except PoolClosed as e:
             raise JournalError(f"cannot {doing}: the journal {self.name} is closed") from e
-        # No connection in connect_timeout: a busy pool, or a server that is down (then fail now).
-        self._probe(doing)
+        # No connection in connect_timeout. With connections of its own the pool is only busy: wait
+        # on. With none, the server may be down: then fail now, not at the busy deadline.
+        if not self._pool.get_stats().get("pool_size", 0):
+            self._probe(doing)
         try:
             return self._pool.getconn(timeout=max(0.001, deadline - time.monotonic()))
         except PoolTimeout as e:
