@@ -699,47 +699,54 @@ class PostgresJournal:
         """Recompute the hash chain and check the projection and the head against the log, on one
         consistent snapshot (writers carry on meanwhile)."""
         doing = "verify the journal"
-        conn = self._getconn(doing)
-        try:
-            with conn.transaction():
-                conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                check = ChainCheck()
-                folded: dict[str, CallRecord] = {}
-                with conn.cursor(name="airlock_verify") as cur:
-                    cur.itersize = _BATCH
-                    cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
-                    for row in cur:
-                        try:
-                            event = event_from_row(row)
-                            expected = hash_of(event)
-                        except (ValueError, TypeError) as e:
-                            check.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
-                            break
-                        if not check.feed(event.seq, event.prev_hash, event.hash, expected):
-                            break
-                        fold_into(folded, event)
-                report = check.report()
-                if not report.ok:
-                    return report
-                head = conn.execute("SELECT seq, hash FROM chain_head WHERE id = 1").fetchone()
-                if head is None or (int(head[0]), str(head[1])) != (report.events, report.head):
-                    return VerifyReport(
-                        ok=False, events=report.events, head=report.head, first_bad_seq=report.events or None,
-                        problem=f"the chain head row {head!r} does not match the last event",
-                    )
-                stored = {r[0]: _record_or_none(r) for r in conn.execute(_CALL_SELECT.encode()).fetchall()}
-                problem = projection_problem(folded, stored)
-                if problem is not None:
-                    bad_seq, text = problem
-                    return VerifyReport(ok=False, events=report.events, head=report.head,
-                                        first_bad_seq=bad_seq, problem=text)
-                return report
-        except psycopg.Error as e:
-            if conn.broken:
-                self._suspect = True
-            raise self._translate(e, doing) from e
-        finally:
-            self._pool.putconn(conn)
+        for attempt in (1, 2):
+            conn = self._getconn(doing)
+            try:
+                with conn.transaction():
+                    conn.execute(b"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                    return self._verify(conn)
+            except psycopg.Error as e:
+                if conn.broken:
+                    self._suspect = True
+                    if attempt == 1:
+                        continue  # a connection that died with an earlier server: it only read
+                raise self._translate(e, doing) from e
+            finally:
+                self._pool.putconn(conn)
+        raise AssertionError("unreachable")
+
+    def _verify(self, conn: Conn) -> VerifyReport:
+        check = ChainCheck()
+        folded: dict[str, CallRecord] = {}
+        with conn.cursor(name="airlock_verify") as cur:
+            cur.itersize = _BATCH
+            cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
+            for row in cur:
+                try:
+                    event = event_from_row(row)
+                    expected = hash_of(event)
+                except (ValueError, TypeError) as e:
+                    check.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
+                    break
+                if not check.feed(event.seq, event.prev_hash, event.hash, expected):
+                    break
+                fold_into(folded, event)
+        report = check.report()
+        if not report.ok:
+            return report
+        head = conn.execute(b"SELECT seq, hash FROM chain_head WHERE id = 1").fetchone()
+        if head is None or (int(head[0]), str(head[1])) != (report.events, report.head):
+            return VerifyReport(
+                ok=False, events=report.events, head=report.head, first_bad_seq=report.events or None,
+                problem=f"the chain head row {head!r} does not match the last event",
+            )
+        stored = {r[0]: _record_or_none(r) for r in conn.execute(_CALL_SELECT.encode()).fetchall()}
+        problem = projection_problem(folded, stored)
+        if problem is not None:
+            bad_seq, text = problem
+            return VerifyReport(ok=False, events=report.events, head=report.head, first_bad_seq=bad_seq,
+                                problem=text)
+        return report
 
     def rebuild(self) -> int:
         """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls."""

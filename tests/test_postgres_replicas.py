@@ -311,3 +311,29 @@ def test_a_journal_inherited_through_fork_gets_a_pool_of_its_own(pg_dsn: str, tm
     report = journal.verify()
     assert report.ok and report.events == 2 * len(calls) + 1
     journal.close()
+
+
+def test_every_kind_of_use_recovers_after_a_restart(pg_server: PgServer, pg_dsn: str) -> None:
+    if not pg_server.managed:
+        pytest.skip("the tests do not restart an external server")
+    from guard.store import Decision, EffectEvent, Verdict
+
+    def begin(journal: PostgresJournal, call_id: str) -> None:
+        event = EffectEvent(kind="pending", call_id=call_id, tool="charge", attempt=1)
+        journal.begin(call_id, lambda r: Decision(Verdict.RUN, event, r))
+
+    uses = {
+        "verify": lambda j: j.verify().ok,
+        "events": lambda j: [e.seq for e in j.events()] == [1],
+        "head": lambda j: j.head()[0] == 1,
+        "stats": lambda j: j.stats().calls == 1,
+        "get": lambda j: j.get("c1") is not None,
+        "rebuild": lambda j: j.rebuild() == 1,
+    }
+    for name, use in uses.items():
+        with PostgresJournal(pg_dsn) as journal:
+            if name == "verify":
+                begin(journal, "c1")
+            assert use(journal), name
+            pg_server.restart("fast")  # every pooled connection dies with the old server
+            assert use(journal), f"{name} after a restart"
