@@ -3993,3 +3993,41 @@ def test_export_write_failure_to_stdout_is_an_error(tmp_path: Path, fmt: str) ->
     assert target.stat().st_size <= 100_000  # the write did fail part way
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().startswith("Error: ")
+
+
+def _altered_projection(journal: Any, db: Path) -> None:
+    populate(journal)
+    close(journal)
+    conn = raw(db)
+    try:
+        t = projection_table(conn)
+        if "value" not in table_columns(conn)[t]:
+            pytest.skip("the projection keeps no value column")
+        conn.execute(f'UPDATE "{t}" SET value = ? WHERE call_id = ?', ("{not json", "c-pay"))
+    finally:
+        conn.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="`journal show --json` and `journal show CALL_ID --json` on a projection row whose JSON text was "
+    "altered crash with an uncaught JSONDecodeError (a traceback) instead of one `Error:` line",
+)
+@pytest.mark.parametrize("args", [["show", "--json"], ["show", "c-pay", "--json"]])
+def test_show_json_of_an_altered_projection_is_one_error_line(journal: Any, db: Path, args: list[str]) -> None:
+    _altered_projection(journal, db)
+    out = subprocess.run([AIRLOCK, "journal", args[0], "--db", str(db), *args[1:]], capture_output=True, text=True,
+                         timeout=60)
+    assert "Traceback" not in out.stderr
+    assert out.returncode == 1
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), out.stderr
+
+
+def test_altered_projection_is_found_by_verify_and_repaired_by_rebuild(journal: Any, db: Path) -> None:
+    _altered_projection(journal, db)
+    assert run_cli("journal", "verify", "--db", str(db)).exit_code == 1
+    assert run_cli("journal", "rebuild", "--db", str(db)).exit_code == 0
+    assert run_cli("journal", "verify", "--db", str(db)).exit_code == 0
+    shown = run_cli("journal", "show", "c-pay", "--db", str(db), "--json")
+    assert json.loads(shown.stdout)["status"] == "committed"
