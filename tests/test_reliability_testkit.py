@@ -45,6 +45,23 @@ def test_a_lost_response_is_not_charged_twice(airlock_journal, airlock_effects):
 
 def test_each_test_gets_a_fresh_journal(airlock_journal):
     assert airlock_journal.count_events() == 0
+
+
+# The example of docs/testing.md, as it stands there.
+from hypothesis import given, settings
+from guard.effect_guard import InMemoryEffectStore
+from journal import SQLiteJournal
+from journal.testing import call_sequences, play
+
+
+@settings(max_examples=10, deadline=None)
+@given(steps=call_sequences())
+def test_my_store_behaves_like_the_in_memory_one(steps, tmp_path_factory):
+    with SQLiteJournal(tmp_path_factory.mktemp("j") / "j.db") as journal:
+        durable, model = play(steps, journal), play(steps, InMemoryEffectStore())
+        assert durable.double_effects() == {}
+        assert durable.effects == model.effects
+        assert journal.verify().ok
 '''
 
 
@@ -59,7 +76,7 @@ def run_pytest(tmp_path: Path, *args: str, env: dict[str, str] | None = None) ->
 def test_the_plugin_gives_a_users_tests_its_fixtures_through_the_entry_point(tmp_path: Path) -> None:
     proc = run_pytest(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 passed" in proc.stdout
+    assert "3 passed" in proc.stdout
 
 
 def test_the_plugin_can_be_switched_off_by_its_entry_point_name(tmp_path: Path) -> None:
