@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = ROOT / "benchmarks" / "soak.py"
 
@@ -37,3 +39,18 @@ def test_the_soak_catches_double_effects_when_the_store_forgets_on_a_kill() -> N
     code, figures = soak("--seconds", "5", "--procs", "2", "--kill-every", "1.0", "--memory")
     assert (code, figures["RESULT"]) == (1, "FAILED")
     assert int(figures["double effects"]) > 0
+
+
+@pytest.mark.postgres
+def test_a_short_soak_on_postgres_makes_no_double_effect_and_verifies() -> None:
+    from tests.pgserver import fresh_database, require_server
+
+    dsn = fresh_database(require_server())
+    code, figures = soak("--seconds", "6", "--procs", "3", "--kill-every", "0.5", "--db", dsn)
+    assert (code, figures["RESULT"]) == (0, "ok"), figures
+    assert figures["journal"] == "PostgreSQL"
+    assert int(figures["kills"]) >= 3
+    assert int(figures["calls completed"]) > 50
+    assert figures["double effects"] == "0"
+    assert figures["values lost or changed"] == "0"
+    assert figures["chain and projection verify"] == "ok"

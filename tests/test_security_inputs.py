@@ -200,6 +200,19 @@ def test_the_table_never_writes_a_control_character_to_the_terminal(hostile_jour
     assert "\\x00" in listing.stdout
 
 
+@pytest.mark.parametrize("option", ["--tool", "--agent", "--status"])
+def test_a_filter_made_of_sql_matches_nothing(hostile_journal: Path, option: str) -> None:
+    result = invoke("journal", "show", "--json", option, "x' OR '1'='1", "--db", str(hostile_journal))
+    if option == "--status":
+        assert result.exit_code == 2  # not one of the statuses: a usage error
+    else:
+        assert (result.exit_code, result.stdout) == (0, "")
+    exported = invoke("journal", "export", "--call", "x' OR '1'='1", "--db", str(hostile_journal))
+    assert (exported.exit_code, exported.stdout) == (0, "")
+    exact = invoke("journal", "export", "--call", CALL_IDS[0], "--db", str(hostile_journal))
+    assert len(exact.stdout_bytes.splitlines()) == 3
+
+
 def test_the_hostile_names_did_not_reach_the_schema(hostile_journal: Path) -> None:
     import sqlite3
 
