@@ -100,7 +100,29 @@ AFTER_EFFECT = ("after_effect", "during_committed")
 
 
 def test_the_kill_points_are_the_documented_ones() -> None:
-    assert KILL_POINTS == ("after_pending", "in_tool", "after_effect", "during_committed", "during_replay")
+    assert KILL_POINTS == (
+        "during_pending", "after_pending", "in_tool", "after_effect", "during_committed", "during_replay",
+    )
+
+
+def test_a_kill_while_pending_is_written_records_nothing_and_the_retry_runs_once(
+    journal_target: Any, tmp_path: Path
+) -> None:
+    db, journal = journal_target
+    effects = EffectLog(tmp_path / "effects.jsonl")
+
+    status, _ = run_child(db, effects.path, "during_pending")
+    assert status == -signal.SIGKILL
+    assert effects.count(CALL_ID) == 0
+    assert journal.get(CALL_ID) is None
+    assert journal.count_events() == 0  # the pending event died with its transaction
+    assert_verified(journal)
+
+    status, value = run_child(db, effects.path, None)
+    assert (status, value) == (0, {"paid": 500, "account": "acct_7"})
+    assert effects.count(CALL_ID) == 1
+    assert kinds(journal) == ["pending", "committed"]
+    assert_verified(journal)
 
 
 @pytest.mark.parametrize("at", BEFORE_EFFECT + AFTER_EFFECT)

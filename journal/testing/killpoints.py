@@ -8,6 +8,9 @@ the status the replay table promises.
 
 The points, in the order a call meets them:
 
+``during_pending``
+    inside the store's transaction that writes ``pending``, before its COMMIT: nothing is
+    recorded and the tool has not run, so a retry runs it (once).
 ``after_pending``
     ``begin`` returned RUN: ``pending`` is durable and the tool has not started.
 ``in_tool``
@@ -19,7 +22,7 @@ The points, in the order a call meets them:
     kill comes as the connection starts the COMMIT statement; on PostgreSQL a trigger holds the
     transaction on the server after the event row is inserted and the process is killed there
     (the journal's schema gets a trigger and a function named ``airlock_kill_point``: use it on a
-    throwaway journal).
+    throwaway journal). ``during_pending`` works the same way.
 ``during_replay``
     ``begin`` returned REPLAY (``replayed`` is recorded) and the value has not reached the caller.
 """
@@ -41,7 +44,10 @@ __all__ = ["KILL_POINTS", "KillPoints", "die", "remove_postgres_kill_point"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-KILL_POINTS: tuple[str, ...] = ("after_pending", "in_tool", "after_effect", "during_committed", "during_replay")
+KILL_POINTS: tuple[str, ...] = (
+    "during_pending", "after_pending", "in_tool", "after_effect", "during_committed", "during_replay",
+)
+_IN_TRANSACTION = {"during_pending": "pending", "during_committed": "committed"}
 
 # At most this long the PostgreSQL trigger waits for the process to be killed.
 _PG_HOLD_SECONDS = 10
@@ -64,16 +70,16 @@ class KillPoints:
         at: the kill point, or None to never kill (so a retry can run the same code unharmed).
         call_id: only calls with this id reach the point (None: the first call that gets there).
 
-    Raises ``ValueError`` for an unknown point, or ``during_committed`` on a store that is
-    neither a ``SQLiteJournal`` nor a ``PostgresJournal``. Every other attribute (``verify``,
+    Raises ``ValueError`` for an unknown point, or ``during_pending`` / ``during_committed`` on a
+    store that is neither a ``SQLiteJournal`` nor a ``PostgresJournal``. Every other attribute (``verify``,
     ``events``, ``close``, ...) is the wrapped store's.
     """
 
     def __init__(self, store: EffectStore, at: str | None, *, call_id: str | None = None) -> None:
         if at is not None and at not in KILL_POINTS:
             raise ValueError(f"the kill points are {', '.join(KILL_POINTS)}; not {at!r}")
-        if at == "during_committed" and _store_kind(store) is None:
-            raise ValueError(f"during_committed needs a SQLiteJournal or a PostgresJournal, not {store!r}")
+        if at in _IN_TRANSACTION and _store_kind(store) is None:
+            raise ValueError(f"{at} needs a SQLiteJournal or a PostgresJournal, not {store!r}")
         self.store = store
         self.at = at
         self.call_id = call_id
@@ -84,6 +90,17 @@ class KillPoints:
     # -- the EffectStore protocol ----------------------------------------------------------------
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
+        if self._reached("during_pending", call_id):
+            # Only a begin that records pending reaches the point: a replay or a refusal passes.
+            records_pending = [False]
+
+            def watched(record: CallRecord | None) -> Decision:
+                decision = decide(record)
+                records_pending[0] = decision.event.kind == "pending"
+                return decision
+
+            with _dies_before_commit(self.store, "pending", lambda: records_pending[0]):
+                return self.store.begin(call_id, watched)
         decision = self.store.begin(call_id, decide)
         if decision.verdict is Verdict.RUN and self._reached("after_pending", call_id):
             die()
@@ -95,7 +112,7 @@ class KillPoints:
         if event.kind == "committed" and self._reached("after_effect", event.call_id):
             die()
         if event.kind == "committed" and self._reached("during_committed", event.call_id):
-            with _dies_before_commit(self.store):
+            with _dies_before_commit(self.store, "committed", lambda: True):
                 self.store.append(event)
             raise AssertionError(f"the kill point during_committed was not reached in {self.store!r}")
         self.store.append(event)
@@ -137,17 +154,19 @@ def _store_kind(store: object) -> str | None:
 
 
 @contextmanager
-def _dies_before_commit(store: EffectStore) -> Iterator[None]:
+def _dies_before_commit(store: EffectStore, kind: str, armed: Callable[[], bool]) -> Iterator[None]:
+    """Kill this process inside the transaction that inserts an event of ``kind``, before COMMIT
+    (on SQLite: the first transaction that inserts an event while ``armed()`` is true)."""
     if _store_kind(store) == "sqlite":
-        with _sqlite_dies_at_commit(store):
+        with _sqlite_dies_at_commit(store, armed):
             yield
     else:
-        with _postgres_dies_in_transaction(store):
+        with _postgres_dies_in_transaction(store, kind):
             yield
 
 
 @contextmanager
-def _sqlite_dies_at_commit(store: Any) -> Iterator[None]:
+def _sqlite_dies_at_commit(store: Any, armed: Callable[[], bool]) -> Iterator[None]:
     # The trace callback runs as a statement starts: at COMMIT the event and the projection row are
     # written inside the transaction, and nothing of it is committed yet.
     conn = store._connection()
@@ -156,9 +175,11 @@ def _sqlite_dies_at_commit(store: Any) -> Iterator[None]:
     def trace(statement: str) -> None:
         text = statement.strip().upper()
         if text.startswith("INSERT INTO EVENTS"):
-            inserted[0] = True
+            inserted[0] = armed()
         elif text == "COMMIT" and inserted[0]:
             die()
+        elif text in ("COMMIT", "ROLLBACK"):
+            inserted[0] = False
 
     conn.set_trace_callback(trace)
     try:
@@ -168,17 +189,17 @@ def _sqlite_dies_at_commit(store: Any) -> Iterator[None]:
 
 
 @contextmanager
-def _postgres_dies_in_transaction(store: Any) -> Iterator[None]:
+def _postgres_dies_in_transaction(store: Any, kind: str) -> Iterator[None]:
     import psycopg
 
     pid = os.getpid()
     # A session of this process holds an advisory lock while it lives. The trigger holds this
-    # process's committed event inside its transaction until that lock is free (the process is
+    # process's event of ``kind`` inside its transaction until that lock is free (the process is
     # dead), then aborts the transaction, so nothing of it commits, whatever the client had sent.
     install = [
         f"""CREATE OR REPLACE FUNCTION {_PG_TRIGGER}() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN
-            IF NEW.kind = 'committed' AND (NEW.owner::json ->> 'pid') = '{pid}' THEN
+            IF NEW.kind = '{kind}' AND (NEW.owner::json ->> 'pid') = '{pid}' THEN
                 FOR i IN 1..{_PG_HOLD_SECONDS * 50} LOOP
                     EXIT WHEN pg_try_advisory_xact_lock({_PG_LOCK_KEY}, {pid});
                     PERFORM pg_sleep(0.02);
