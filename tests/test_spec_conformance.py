@@ -9,6 +9,7 @@ sqlite3 connection, the CLI's commands, flags and messages, and the host adapter
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import dataclasses
 import datetime as dt
@@ -17,6 +18,7 @@ import getpass
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import logging
 import os
@@ -98,7 +100,7 @@ def event_hash(prev_hash: str, event: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# helpers
+# building blocks
 
 
 def close(store: Any) -> None:
@@ -157,7 +159,7 @@ def events_table(conn: sqlite3.Connection) -> str:
 
 
 def projection_table(conn: sqlite3.Connection) -> str:
-    found = [t for t, cols in table_columns(conn).items() if PROJECTION_COLUMNS <= cols and "hash" not in cols]
+    found = [t for t, cols in table_columns(conn).items() if cols >= PROJECTION_COLUMNS and "hash" not in cols]
     assert len(found) == 1, f"exactly one projection table, found {found}"
     return found[0]
 
@@ -550,7 +552,7 @@ def test_oversight_request_arguments_in_json_form_with_defaults() -> None:
     calls: list[OversightRequest] = []
     airlock = guard_for(InMemoryEffectStore(), escalate_tools={"book": "r"},
                         approver=_approver(OversightVerdict.GRANT, calls))
-    when = dt.datetime(2026, 3, 4, 5, 6, 7, tzinfo=dt.timezone.utc)
+    when = dt.datetime(2026, 3, 4, 5, 6, 7, tzinfo=dt.UTC)
 
     @airlock
     def book(when: dt.datetime, tags: tuple[str, ...] = ("a", "b")) -> str:
@@ -950,7 +952,7 @@ def test_committed_replays_stored_json_form(any_store: Any) -> None:
         id: str
         cents: int
 
-    when = dt.datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=dt.timezone.utc)
+    when = dt.datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=dt.UTC)
     value = {"pair": (1, 2), "receipt": Receipt("r1", 5), "at": when}
     runs: list[Any] = []
 
@@ -1570,7 +1572,7 @@ def test_event_columns_and_contents(journal: Any, db: Path) -> None:
         assert e["actor"] == "guard"
         assert re.fullmatch(r"[0-9a-f]{64}", e["hash"])
     assert events[0]["prev_hash"] == ZEROS
-    for a, b in zip(events, events[1:]):
+    for a, b in itertools.pairwise(events):
         assert b["prev_hash"] == a["hash"]
 
 
@@ -1956,7 +1958,7 @@ def test_export_jsonl_fields(journal: Any, db: Path, tmp_path: Path) -> None:
     events = db_events(db)
     assert len(lines) == len(events)
     assert lines == export_lines(db, "--format", "jsonl")
-    for line, ev in zip(lines, events):
+    for line, ev in zip(lines, events, strict=False):
         for name in [*EVENT_FIELDS, "arguments_sha256", "value_sha256"]:
             assert name in line, name
         assert AT_RE.match(line["at"]), line["at"]
@@ -1982,7 +1984,7 @@ def test_export_redaction_still_verifies(journal: Any, db: Path, tmp_path: Path)
     assert result.exit_code == 0, result.output
     red = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     assert len(red) == len(full)
-    for r, f in zip(red, full):
+    for r, f in zip(red, full, strict=False):
         assert r["arguments"] is None and r["value"] is None
         assert set(r["redacted"]) <= {"arguments", "value"}
         if f["arguments"] is not None:
@@ -1997,7 +1999,7 @@ def test_export_redaction_still_verifies(journal: Any, db: Path, tmp_path: Path)
     assert check.exit_code == 0, check.output
 
     only_args = export_lines(db, "--redact", "arguments")
-    for r, f in zip(only_args, full):
+    for r, f in zip(only_args, full, strict=False):
         assert r["arguments"] is None and r["value"] == f["value"]
 
 
@@ -2010,7 +2012,7 @@ def test_export_csv(journal: Any, db: Path) -> None:
     assert len(rows) == len(full)
     for name in [*EVENT_FIELDS, "arguments_sha256", "value_sha256"]:
         assert name in rows[0], name
-    for row, line in zip(rows, full):
+    for row, line in zip(rows, full, strict=False):
         assert int(row["seq"]) == line["seq"]
         assert row["hash"] == line["hash"]
         assert row["kind"] == line["kind"]
@@ -2022,7 +2024,8 @@ def test_export_csv(journal: Any, db: Path) -> None:
 def test_export_filters(journal: Any, db: Path) -> None:
     populate(journal)
     full = export_lines(db)
-    assert [e["seq"] for e in export_lines(db, "--call", "c-pay")] == [e["seq"] for e in full if e["call_id"] == "c-pay"]
+    by_call = [e["seq"] for e in full if e["call_id"] == "c-pay"]
+    assert [e["seq"] for e in export_lines(db, "--call", "c-pay")] == by_call
     assert [e["seq"] for e in export_lines(db, "--tool", "ship")] == [e["seq"] for e in full if e["tool"] == "ship"]
     assert [e["seq"] for e in export_lines(db, "--agent", "bob")] == [e["seq"] for e in full if e["agent_id"] == "bob"]
     mid = full[len(full) // 2]["at"]
@@ -2303,7 +2306,8 @@ def test_openai_chat_completions_dict(adapter_tools: Any, db: Path) -> None:
     from guard.adapters import openai as oa
 
     tools, runs, seen = adapter_tools
-    call = {"id": "call_A", "type": "function", "function": {"name": "pay", "arguments": '{"account": "x", "cents": 3}'}}
+    call = {"id": "call_A", "type": "function",
+            "function": {"name": "pay", "arguments": '{"account": "x", "cents": 3}'}}
     out = oa.dispatch(call, tools, agent_id="bot")
     assert set(out) == {"role", "tool_call_id", "content"}
     assert out["role"] == "tool" and out["tool_call_id"] == "call_A"
@@ -2320,7 +2324,7 @@ def test_openai_chat_completions_dict(adapter_tools: Any, db: Path) -> None:
 def test_openai_responses_item_dict(adapter_tools: Any) -> None:
     from guard.adapters import openai as oa
 
-    tools, runs, seen = adapter_tools
+    tools, _runs, seen = adapter_tools
     item = {"type": "function_call", "call_id": "fc_1", "name": "pay", "arguments": '{"account": "y"}'}
     out = oa.dispatch(item, tools)
     assert set(out) == {"type", "call_id", "output"}
@@ -2380,11 +2384,11 @@ def test_anthropic_dict_and_errors(adapter_tools: Any, db: Path) -> None:
 
     tools, runs, seen = adapter_tools
     ok = an.dispatch({"type": "tool_use", "id": "toolu_1", "name": "pay", "input": {"account": "q", "cents": 9}},
-                     tools, agent_id="claude")
+                     tools, agent_id="assistant-7")
     assert set(ok) == {"type", "tool_use_id", "content", "is_error"}
     assert ok["type"] == "tool_result" and ok["tool_use_id"] == "toolu_1" and ok["is_error"] is False
     assert json.loads(ok["content"]) == {"paid": 9}
-    assert seen == [("toolu_1", "claude")]
+    assert seen == [("toolu_1", "assistant-7")]
 
     refused = an.dispatch({"type": "tool_use", "id": "toolu_2", "name": "wipe", "input": {"disk": "c"}}, tools)
     assert refused["is_error"] is True
@@ -2483,7 +2487,7 @@ def test_replay_of_unusual_values_is_the_same_from_every_store(tmp_path: Path, n
         try:
             @guard_for(store)
             def give(n: int) -> Any:
-                runs.append(n)
+                runs.append(n)  # noqa: B023 - called within this iteration
                 return UNUSUAL_VALUES[name]()
 
             with ctx("uv-1"):
@@ -3063,8 +3067,8 @@ def test_verify_export_rejects_duplicate_reordered_and_forged_genesis(journal: A
         return run_cli("journal", "verify", "--export", str(path), *flags).exit_code
 
     assert check(full) == 0
-    assert check(full[:3] + [full[2]] + full[3:]) == 1
-    assert check(full[:3] + [full[2]] + full[3:], "--allow-gaps") == 1
+    assert check([*full[:3], full[2], *full[3:]]) == 1
+    assert check([*full[:3], full[2], *full[3:]], "--allow-gaps") == 1
     swapped = list(full)
     swapped[2], swapped[3] = swapped[3], swapped[2]
     assert check(swapped) == 1
@@ -3097,8 +3101,8 @@ def test_pending_is_recorded_before_the_tool_runs(tmp_path: Path) -> None:
         try:
             @guard_for(journal)
             def pay(account: str) -> str:
-                calls = db_calls(path)
-                seen.append((calls["pb-1"]["status"], [e["kind"] for e in db_events(path)]))
+                calls = db_calls(path)  # noqa: B023 - called within this iteration
+                seen.append((calls["pb-1"]["status"], [e["kind"] for e in db_events(path)]))  # noqa: B023
                 return "ok"
 
             with ctx("pb-1"):
@@ -3185,7 +3189,7 @@ def test_idempotency_key_accepts_any_mapping_and_orjson_native_types() -> None:
     import uuid
 
     assert idempotency_key("t", types.MappingProxyType({"b": 1, "a": 2})) == expected_key("t", {"a": 2, "b": 1})
-    when = dt.datetime(2026, 5, 6, 7, 8, 9, 10, tzinfo=dt.timezone.utc)
+    when = dt.datetime(2026, 5, 6, 7, 8, 9, 10, tzinfo=dt.UTC)
     u = uuid.UUID("12345678-1234-5678-1234-567812345678")
     args = {"when": when, "day": dt.date(2026, 5, 6), "id": u, "pair": (1, 2)}
     assert idempotency_key("t", args) == expected_key("t", args)
@@ -3337,7 +3341,7 @@ def test_unicode_everywhere_hashes_by_the_rule(journal: Any, db: Path, tmp_path:
 def test_not_a_journal_error_is_clear(tmp_path: Path) -> None:
     text = tmp_path / "notes.db"
     text.write_text("plain text\n" * 30)
-    with pytest.raises(Exception) as info:  # noqa: B017
+    with pytest.raises(Exception) as info:
         SQLiteJournal(str(text))
     assert not isinstance(info.value, sqlite3.Error)
     assert str(info.value)
@@ -3397,7 +3401,7 @@ def test_adapter_call_id_wins_over_the_host_context(adapter_tools: Any) -> None:
     from guard.adapters import anthropic as an
     from guard.adapters import openai as oa
 
-    tools, runs, seen = adapter_tools
+    tools, _runs, seen = adapter_tools
     with AirlockContext(agent_id="host", metadata={"tool_call_id": "outer"}):
         oa.dispatch({"id": "call_in", "function": {"name": "pay", "arguments": '{"account": "x"}'}}, tools)
         an.dispatch({"type": "tool_use", "id": "toolu_in", "name": "pay", "input": {"account": "y"}}, tools)
@@ -3419,7 +3423,7 @@ def test_adispatch_with_a_sync_tool(adapter_tools: Any) -> None:
     from guard.adapters import anthropic as an
     from guard.adapters import openai as oa
 
-    tools, runs, seen = adapter_tools
+    tools, _runs, seen = adapter_tools
 
     async def go() -> tuple[Any, Any]:
         a = await oa.adispatch({"type": "function_call", "call_id": "fc_sync", "name": "pay",
@@ -3533,7 +3537,7 @@ def test_public_signatures() -> None:
     ctxp = _params(AirlockContext)
     assert ctxp["agent_id"] is None and ctxp["metadata"] is None
     j = _params(SQLiteJournal)
-    assert list(j)[0] == "path" and j["durability"] == "full" and j["busy_timeout"] == 30.0
+    assert next(iter(j)) == "path" and j["durability"] == "full" and j["busy_timeout"] == 30.0
     assert list(_params(idempotency_key))[:2] == ["tool", "arguments"]
 
 
@@ -3741,9 +3745,9 @@ j.close()
 def test_times_are_utc_whatever_the_local_zone(tmp_path: Path) -> None:
     db = tmp_path / "tz.db"
     env = dict(os.environ, TZ="America/Los_Angeles")
-    before = dt.datetime.now(dt.timezone.utc)
+    before = dt.datetime.now(dt.UTC)
     subprocess.run([PYTHON, "-c", TZ_SCRIPT, str(db)], check=True, timeout=60, env=env)
-    after = dt.datetime.now(dt.timezone.utc)
+    after = dt.datetime.now(dt.UTC)
     out = subprocess.run([AIRLOCK, "journal", "export", "--db", str(db)], capture_output=True, text=True,
                          timeout=60, env=env, check=True)
     for line in out.stdout.splitlines():
@@ -4064,7 +4068,7 @@ def test_effect_status_unknown_since_is_when_the_call_entered_that_status(journa
     "and stored as the float 1.8446744073709552e+19: replays return a different number than --value",
 )
 def test_resolve_value_is_returned_exactly_or_refused(journal: Any, db: Path) -> None:
-    charge, runs = _unknown_call(journal)
+    charge, _runs = _unknown_call(journal)
     before = snapshot(db)
     result = run_cli("journal", "resolve", "rs-1", "--db", str(db), "--applied", "--value", "18446744073709551617",
                      "--reason", "ledger")
@@ -4081,8 +4085,56 @@ def test_csv_scalar_fields_match_the_jsonl_export(journal: Any, db: Path) -> Non
     populate(journal)
     full = export_lines(db)
     rows = list(csv.DictReader(io.StringIO(run_cli("journal", "export", "--db", str(db), "--format", "csv").stdout)))
-    for row, line in zip(rows, full):
+    for row, line in zip(rows, full, strict=False):
         for name in ("seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "actor", "attempt",
                      "prev_hash", "hash", "arguments_sha256", "value_sha256"):
             if line[name] is not None:
                 assert row[name] == str(line[name]), name
+
+
+def test_a_late_outcome_of_an_older_attempt_leaves_the_current_one(journal: Any, db: Path) -> None:
+    gates = [threading.Event(), threading.Event()]
+    entered = [threading.Event(), threading.Event()]
+    count_lock = threading.Lock()
+    attempts: list[int] = []
+
+    @guard_for(journal)
+    @reversibility("reversible")
+    def look(q: str) -> str:
+        with count_lock:
+            attempts.append(len(attempts))
+            mine = attempts[-1]
+        entered[mine].set()
+        gates[mine].wait(10)
+        if mine == 0:
+            return "old"
+        raise ValueError("new attempt failed")
+
+    def run() -> None:
+        with ctx("lo-1"), contextlib.suppress(ValueError):
+            look("q")
+
+    t1 = threading.Thread(target=run)
+    t1.start()
+    assert entered[0].wait(10)
+    t2 = threading.Thread(target=run)
+    t2.start()
+    try:
+        assert entered[1].wait(10)
+        gates[0].set()
+        t1.join(10)
+        call = db_calls(db)["lo-1"]
+        assert (call["status"], call["attempt"]) == ("pending", 2)
+        old = [e for e in db_events(db) if e["kind"] == "committed"]
+        assert len(old) == 1 and old[0]["attempt"] == 1
+    finally:
+        gates[0].set()
+        gates[1].set()
+        t1.join(10)
+        t2.join(10)
+    call = db_calls(db)["lo-1"]
+    assert (call["status"], call["attempt"]) == ("released", 2)
+    assert report_field(journal.verify(), "ok") is True
+    before = _projected(db_calls(db))
+    journal.rebuild()
+    assert _projected(db_calls(db)) == before
