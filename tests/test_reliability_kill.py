@@ -184,3 +184,30 @@ def test_a_reversible_tool_killed_after_its_effect_runs_again(journal_target: An
     assert (record.status, record.attempt) == ("committed", 2)
     assert kinds(journal) == ["pending", "pending", "committed"]
     assert_verified(journal)
+
+
+def test_after_a_kill_an_operator_settles_the_call_and_the_retry_replays_it(
+    journal_target: Any, tmp_path: Path
+) -> None:
+    # What an operator meets after a crash: a pending call whose owner is gone, settled without --force.
+    from tests.cli_support import invoke
+
+    db, journal = journal_target
+    effects = EffectLog(tmp_path / "effects.jsonl")
+    status, _ = run_child(db, effects.path, "after_effect")
+    assert status == -signal.SIGKILL
+
+    shown = invoke("journal", "show", "--json", "--db", db, CALL_ID)
+    assert shown.exit_code == 0, shown.stderr
+    call = json.loads(shown.stdout)
+    assert (call["status"], call["owner_alive"]) == ("pending", False)
+
+    settled = invoke("journal", "resolve", CALL_ID, "--applied", "--value", '{"paid": 500, "account": "acct_7"}',
+                     "--reason", "the bank shows the charge", "--operator", "ops", "--db", db)
+    assert settled.exit_code == 0, settled.stderr
+    status, replayed = run_child(db, effects.path, None)
+    assert (status, replayed) == (0, {"paid": 500, "account": "acct_7"})
+    assert effects.count(CALL_ID) == 1
+    assert kinds(journal) == ["pending", "committed", "replayed"]
+    assert journal.call_events(CALL_ID)[1].actor == "operator:ops"
+    assert_verified(journal)
