@@ -1,7 +1,7 @@
 """A guarded call here and in two peer libraries, and the raw SQLite transactions under them, in one run.
 
     python benchmarks/compare.py [--dir DIR] [--rounds R] [--calls N] [--sync-calls M] [--pg DSN|auto]
-                                 [--threads T] [--throughput-calls K]
+                                 [--warmup W] [--threads T] [--throughput-calls K]
 
 Needs the ``bench`` extra (``pip install -e '.[bench]'``): agent-once (``once``) and airlock-sdk
 (``airlock``). Every system guards the same tool, ``charge(account, cents)``, which counts its runs
