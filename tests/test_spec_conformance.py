@@ -4138,3 +4138,29 @@ def test_a_late_outcome_of_an_older_attempt_leaves_the_current_one(journal: Any,
     before = _projected(db_calls(db))
     journal.rebuild()
     assert _projected(db_calls(db)) == before
+
+
+def test_non_canonical_arguments_of_a_reversible_call_with_an_id() -> None:
+    runs: list[Any] = []
+    look = make_pay(guard_for(InMemoryEffectStore()), runs, tag="reversible", name="look")
+    with ctx("nc-r"):
+        result = look(float("nan"))
+    assert is_refusal(result) and result["block_reason"] == "arguments_not_canonical"
+    assert runs == []
+
+
+def test_two_journal_objects_on_one_file(db: Path) -> None:
+    one, two = SQLiteJournal(str(db)), SQLiteJournal(str(db))
+    runs: list[Any] = []
+    try:
+        first = make_pay(guard_for(one), runs)
+        second = make_pay(guard_for(two), runs)
+        with ctx("two-1"):
+            assert first("a") == {"charged": 100, "account": "a"}
+        with ctx("two-1"):
+            assert second("a") == {"charged": 100, "account": "a"}
+        assert runs == [("a", 100)]
+        assert [e["kind"] for e in db_events(db)] == ["pending", "committed", "replayed"]
+    finally:
+        close(one)
+        close(two)
