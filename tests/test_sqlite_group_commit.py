@@ -115,7 +115,7 @@ def test_threads_calling_at_once_share_an_fsync(tmp_path: Path) -> None:
 
     def slow_sync() -> None:  # a slow disk: whoever commits meanwhile waits for the next fsync
         syncs.append(1)
-        time.sleep(0.2)
+        time.sleep(0.25)
         real()
 
     journal._sync_wal = slow_sync  # type: ignore[method-assign]
@@ -138,8 +138,9 @@ def test_threads_calling_at_once_share_an_fsync(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert sorted(ran) == sorted(f"acct-{n}" for n in range(THREADS))
-    # The first fsync covers the first commit; those made while it ran share the next one or two.
-    assert 1 <= len(syncs) <= 3
+    # The first fsync covers the first commit; those made while it ran share the next one (or two, or
+    # three, on a machine so loaded that a thread commits a quarter of a second late): never one each.
+    assert 1 <= len(syncs) <= 4
     journal.close()
 
 
