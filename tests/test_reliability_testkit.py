@@ -170,11 +170,14 @@ def test_kill_points_without_a_point_only_delegate(airlock_journal: SQLiteJourna
     assert points.verify().ok
 
 
-def test_a_kill_point_for_another_call_id_lets_this_call_through(airlock_journal: SQLiteJournal) -> None:
-    points = KillPoints(airlock_journal, at="after_pending", call_id="call_other")
-    tool = Airlock(SecurityPolicy(effect_guard=EffectGuard(store=points)))(lambda: 7)
+@pytest.mark.parametrize("at", ["during_pending", "after_pending", "in_tool", "after_effect", "during_committed"])
+def test_a_kill_point_for_another_call_id_lets_this_call_through(airlock_journal: SQLiteJournal, at: str) -> None:
+    points = KillPoints(airlock_journal, at=at, call_id="call_other")
+    tool = Airlock(SecurityPolicy(effect_guard=EffectGuard(store=points)))(points.tool(lambda: 7))
     with AirlockContext(metadata={"tool_call_id": "call_1"}):
         assert tool() == 7
+        assert tool() == 7
+    assert [e.kind for e in airlock_journal.call_events("call_1")] == ["pending", "committed", "replayed"]
 
 
 def test_the_effect_log_skips_a_line_torn_by_a_kill(airlock_effects: EffectLog) -> None:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
+from guard.context import get_current_context
 from guard.store import CallRecord, Decide, Decision, EffectEvent, EffectStore, Verdict
 
 __all__ = ["KILL_POINTS", "KillPoints", "die", "remove_postgres_kill_point"]
@@ -66,13 +67,13 @@ class KillPoints:
     """An EffectStore that kills this process at the point ``at`` (one of :data:`KILL_POINTS`).
 
     Args:
-        store: the store to delegate to (a journal for ``during_committed``).
+        store: the store to delegate to (a journal for ``during_pending`` and ``during_committed``).
         at: the kill point, or None to never kill (so a retry can run the same code unharmed).
         call_id: only calls with this id reach the point (None: the first call that gets there).
 
     Raises ``ValueError`` for an unknown point, or ``during_pending`` / ``during_committed`` on a
-    store that is neither a ``SQLiteJournal`` nor a ``PostgresJournal``. Every other attribute (``verify``,
-    ``events``, ``close``, ...) is the wrapped store's.
+    store that is neither a ``SQLiteJournal`` nor a ``PostgresJournal``. Every other attribute
+    (``verify``, ``events``, ``close``, ...) is the wrapped store's.
     """
 
     def __init__(self, store: EffectStore, at: str | None, *, call_id: str | None = None) -> None:
@@ -131,7 +132,9 @@ class KillPoints:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self.at == "in_tool":
-                die()
+                context = get_current_context()
+                if self._reached("in_tool", context.tool_call_id if context is not None else None):
+                    die()
             return fn(*args, **kwargs)
 
         return cast(F, wrapper)
