@@ -2,11 +2,12 @@
 
 Prints, in one run on one server:
 
-- one process: a raw INSERT transaction of an event-sized row (pipelined: BEGIN, INSERT and COMMIT in
-  one round trip, the least a durable append can cost; and plain, one round trip per statement),
-  the same with the chain-head row locked and updated (what serialising the appends adds), and a
-  guarded call with a fresh tool call id and a replay, with the ratio of the fresh call to the
-  pipelined raw transaction (target: within 2x);
+- one process: a raw INSERT of an event-sized row as its own transaction (autocommit: one
+  statement, one round trip, the least a durable append can cost), the same as BEGIN; INSERT;
+  COMMIT (pipelined into one round trip, and plainly, one round trip per statement), the pipelined
+  one with the chain-head row locked and updated (what serialising the appends adds), and a guarded
+  call with a fresh tool call id and a replay, with their ratios to the floor (target for the
+  fresh call: within 2x);
 - 8 processes with distinct ids: raw INSERT transactions without and with the head-row lock, and
   guarded fresh calls, in transactions or calls per second.
 
@@ -51,6 +52,19 @@ INSERT INTO bench_raw.raw_head VALUES (1, 0, '') ON CONFLICT DO NOTHING;
 """
 _INSERT = ("INSERT INTO bench_raw.raw_events (at, call_id, kind, tool, agent_id, idempotency_key, arguments, actor, "
            "attempt, owner, prev_hash, hash) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)")
+
+
+def raw_single(dsn: str) -> Callable[[int], float]:
+    """One raw INSERT per op, as its own transaction (autocommit: one statement, one round trip)."""
+    conn = psycopg.connect(dsn, autocommit=True)
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            conn.execute(_INSERT, (_ROW[0], f"raw-{i}", *_ROW[1:]))
+        return (time.perf_counter() - start) / n
+
+    return run
 
 
 def raw(dsn: str, *, locked: bool, pipelined: bool) -> Callable[[int], float]:
@@ -120,8 +134,10 @@ def _worker(kind: str, dsn: str, seconds: float, barrier: Any, results: Any) -> 
     if kind == "guarded":
         journal = PostgresJournal(dsn, pool_size=1)
         run = guarded(journal, replay=False)
+    elif kind == "raw":
+        run = raw_single(dsn)
     else:
-        run = raw(dsn, locked=kind == "raw-locked", pipelined=True)
+        run = raw(dsn, locked=True, pipelined=True)
     run(20)
     barrier.wait()
     done, deadline = 0, time.perf_counter() + seconds
@@ -173,8 +189,10 @@ def main() -> None:
               f"of {args.calls}")
         print("one process, per op (rounds interleaved: the disk's fsync latency drifts):")
         runs = {
-            "floor": ("raw INSERT transaction, pipelined (the floor)", raw(dsn, locked=False, pipelined=True)),
-            "plain": ("raw INSERT transaction, a round trip per statement",
+            "floor": ("raw INSERT, autocommit: one statement (the floor)", raw_single(dsn)),
+            "pipelined": ("raw BEGIN; INSERT; COMMIT, pipelined: one round trip",
+                          raw(dsn, locked=False, pipelined=True)),
+            "plain": ("raw BEGIN; INSERT; COMMIT, a round trip per statement",
                       raw(dsn, locked=False, pipelined=False)),
             "locked": ("raw INSERT + head-row lock and update, pipelined", raw(dsn, locked=True, pipelined=True)),
             "fresh": ("guarded call, fresh tool call id (pending + committed)", guarded(journal, replay=False)),
@@ -183,7 +201,8 @@ def main() -> None:
         timings = interleaved({k: run for k, (_, run) in runs.items()}, args.calls, args.rounds)
         for key, (label, _) in runs.items():
             print(f"  {label:<58} {statistics.median(timings[key]) * 1e3:8.3f} ms")
-        for key, what in (("fresh", "fresh guarded call"), ("replay", "replay"), ("locked", "head-row lock")):
+        for key, what in (("fresh", "fresh guarded call"), ("replay", "replay"), ("pipelined", "pipelined raw"),
+                          ("plain", "plain raw"), ("locked", "head-row lock")):
             ratios = [t / f for t, f in zip(timings[key], timings["floor"], strict=True)]
             print(f"  {what + ' / floor:':<30} {statistics.median(ratios):.2f}x"
                   f"{'  (target: within 2x)' if key == 'fresh' else ''}")
@@ -193,7 +212,7 @@ def main() -> None:
         raw_free = throughput("raw", dsn, args.procs, args.seconds)
         raw_locked = throughput("raw-locked", dsn, args.procs, args.seconds)
         calls = throughput("guarded", dsn, args.procs, args.seconds)
-        print(f"  raw INSERT transactions, no lock              {raw_free:9.0f} tx/s")
+        print(f"  raw INSERTs, autocommit, no lock              {raw_free:9.0f} tx/s")
         print(f"  raw INSERT transactions + head-row lock       {raw_locked:9.0f} tx/s"
               f"  ({raw_locked / raw_free:.2f}x of no lock)")
         print(f"  guarded fresh calls (2 transactions each)     {calls:9.0f} calls/s")

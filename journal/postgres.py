@@ -82,10 +82,14 @@ def _casts(columns: Sequence[str]) -> str:
     return ", ".join(f"%s::{_TYPES.get(c, 'text')}" for c in columns)
 
 
-def _cas_append(project: bool, absent: bool) -> str:
+def _cas_append(project: bool, absent: bool, relaxed: bool) -> str:
     head = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1 AND seq = %s AND generation = %s"
     if absent:
         head += " AND NOT EXISTS (SELECT 1 FROM calls WHERE call_id = %s)"
+    if relaxed:
+        # The statement is its own transaction (autocommit), so SET LOCAL cannot precede it; this
+        # sets the same for the transaction it runs in.
+        head += " AND set_config('synchronous_commit', 'off', true) = 'off'"
     parts = [
         f"head AS ({head} RETURNING seq)",
         f"event AS (INSERT INTO events ({', '.join(EVENT_COLUMNS)}) SELECT {_casts(EVENT_COLUMNS)} FROM head)",
@@ -99,7 +103,7 @@ def _cas_append(project: bool, absent: bool) -> str:
     return f"WITH {', '.join(parts)} SELECT count(*) FROM head"
 
 
-_CAS_APPEND = {(p, a): _cas_append(p, a) for p in (False, True) for a in (False, True)}
+_CAS_APPEND = {(p, a, r): _cas_append(p, a, r) for p in (False, True) for a in (False, True) for r in (False, True)}
 _NO_RECORD_NEEDED = frozenset({"refused", "replayed"})  # they never change a call's record
 _SKIP_AFTER_CONFLICT = 8  # writes that wait for the lock after another writer moved the head
 _SET_HEAD = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1"
@@ -346,6 +350,22 @@ class PostgresJournal:
                 self._pool.putconn(conn)
         raise AssertionError("unreachable")
 
+    def _single_statement(self, doing: str, sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
+        """Run one write statement as its own transaction (autocommit: one round trip, no BEGIN or
+        COMMIT); its first row. A connection that dies meanwhile leaves it in doubt:
+        :class:`_ConnectionLost`."""
+        self._check_writable(doing)
+        conn = self._getconn(doing)
+        try:
+            return conn.execute(sql, params).fetchone()
+        except psycopg.Error as e:
+            if conn.broken:
+                self._suspect = True
+                raise _ConnectionLost(str(self._translate(e, doing))) from e
+            raise self._translate(e, doing) from e
+        finally:
+            self._pool.putconn(conn)
+
     # -- schema -------------------------------------------------------------------------------
 
     def _open_schema(self, conn: Conn, *, create: bool) -> None:
@@ -474,17 +494,10 @@ class PostgresJournal:
         cas: tuple[Any, ...] = (stored.seq, stored.hash, head.seq, head.generation)
         if absent is not None:
             cas += (absent,)
-        statement = _CAS_APPEND[project, absent is not None]
+        statement = _CAS_APPEND[project, absent is not None, event.kind != "pending"]
         params = (*cas, *row, *call_row(updated)) if updated is not None and project else (*cas, *row)
-        relaxed = event.kind != "pending"
-
-        def work(conn: Conn) -> psycopg.Cursor[tuple[Any, ...]]:
-            if relaxed:
-                conn.execute(_RELAXED)
-            return conn.execute(statement, params)
-
         try:
-            moved = self._write(doing, work).fetchone() != (1,)
+            moved = self._single_statement(doing, statement, params) != (1,)
         except _ConnectionLost:
             # In doubt: the compare-and-set either committed whole or not at all; look for it.
             found = self._read(doing, "SELECT 1 FROM events WHERE seq = %s AND hash = %s", (stored.seq, stored.hash))
