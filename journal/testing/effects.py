@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -80,12 +81,14 @@ def lost_response(tool: F, *, times: int | None = None) -> F:
     if times is not None and times < 0:
         raise ValueError(f"times is a number of calls, 0 or more, not {times}")
     lost = [0]
+    counting = threading.Lock()
 
     def lose() -> bool:
-        if times is not None and lost[0] >= times:
-            return False
-        lost[0] += 1
-        return True
+        with counting:
+            if times is not None and lost[0] >= times:
+                return False
+            lost[0] += 1
+            return True
 
     def timeout() -> TimeoutError:
         return TimeoutError(f"the response of {tool.__name__} was lost after its effect")
