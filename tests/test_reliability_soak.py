@@ -22,10 +22,10 @@ def soak(*args: str) -> tuple[int, dict[str, str]]:
 
 
 def test_a_short_soak_with_kills_makes_no_double_effect_and_verifies(tmp_path: Path) -> None:
-    code, figures = soak("--seconds", "6", "--procs", "3", "--kill-every", "0.3", "--db", str(tmp_path / "soak.db"))
+    code, figures = soak("--seconds", "6", "--procs", "3", "--kill-every", "0.5", "--db", str(tmp_path / "soak.db"))
     assert (code, figures["RESULT"]) == (0, "ok"), figures
     assert int(figures["kills"]) >= 3
-    assert int(figures["calls completed"]) > 100
+    assert int(figures["calls completed"]) > 20
     assert int(figures["effects"]) > 0
     assert figures["double effects"] == "0"
     assert figures["values lost or changed"] == "0"
@@ -36,7 +36,7 @@ def test_a_short_soak_with_kills_makes_no_double_effect_and_verifies(tmp_path: P
 
 def test_the_soak_catches_double_effects_when_the_store_forgets_on_a_kill() -> None:
     # Each worker guarded by its own in-memory store: a retry in another process runs again.
-    code, figures = soak("--seconds", "5", "--procs", "2", "--kill-every", "1.0", "--memory")
+    code, figures = soak("--seconds", "6", "--procs", "2", "--kill-every", "1.0", "--memory")
     assert (code, figures["RESULT"]) == (1, "FAILED")
     assert int(figures["double effects"]) > 0
 
@@ -50,7 +50,7 @@ def test_a_short_soak_on_postgres_makes_no_double_effect_and_verifies() -> None:
     assert (code, figures["RESULT"]) == (0, "ok"), figures
     assert figures["journal"] == "PostgreSQL"
     assert int(figures["kills"]) >= 3
-    assert int(figures["calls completed"]) > 50
+    assert int(figures["calls completed"]) > 10
     assert figures["double effects"] == "0"
     assert figures["values lost or changed"] == "0"
     assert figures["chain and projection verify"] == "ok"
