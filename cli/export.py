@@ -28,11 +28,22 @@ def write_events(
     batches = _csv_batches(rows, redact) if fmt == "csv" else _jsonl_batches(rows, redact)
     written = 0
     for chunk, count in batches:
-        out.write(chunk)
+        _write_all(out, chunk)
         written += count
         if advance is not None and count:
             advance(count)
     return written
+
+
+def _write_all(out: BinaryIO, chunk: bytes) -> None:
+    """Write all of ``chunk``: a write to stdout may come back short, at a file size limit say,
+    and the retry then raises the error that a truncated export must not hide."""
+    view = memoryview(chunk)
+    while view:
+        written = out.write(view)
+        if not written:
+            raise OSError(f"the output took no more bytes after {len(chunk) - len(view)} of a batch")
+        view = view[written:]
 
 
 def _jsonl_batches(rows: Iterable[tuple[Any, ...]], redact: frozenset[str]) -> Iterator[tuple[bytes, int]]:

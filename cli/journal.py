@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import sys
 import tempfile
@@ -164,6 +165,10 @@ def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) ->
         parsed = orjson.loads(value)
     except orjson.JSONDecodeError as e:
         raise click.BadParameter(f"{value!r} is not JSON ({e})", ctx, param) from e
+    if parsed != json.loads(value):
+        # orjson reads an integer beyond 64 bits as a float: the replay would return another number.
+        raise click.BadParameter(f"{value!r} has a number that cannot be stored exactly (integers are "
+                                 "limited to 64 bits; send a large number as a string)", ctx, param)
     return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
 
 
@@ -276,10 +281,13 @@ def export(
     filters: dict[str, Any] = {"call_id": call_id, "tool": tool, "agent_id": agent_id, "since": since, "until": until}
     with open_journal(db, readonly=True, create=False) as j:
         if output is None:
-            with _quiet_broken_pipe():
-                out = _stdout()
-                write_events(j.event_rows(**filters), out, fmt=fmt, redact=redact)
-                out.flush()
+            try:
+                with _quiet_broken_pipe():
+                    out = _stdout()
+                    write_events(j.event_rows(**filters), out, fmt=fmt, redact=redact)
+                    out.flush()
+            except OSError as e:
+                raise click.ClickException(f"the export could not be written: {e.strerror or e}") from e
             return
         written = _export_to_file(j, filters, output, fmt, redact)
     click.echo(f"Exported {written} events to {output}", err=True)
@@ -300,6 +308,9 @@ def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, red
             else:
                 written = write_events(j.event_rows(**filters), out, fmt=fmt, redact=redact)
         os.replace(partial, output)
+    except OSError as e:
+        Path(partial).unlink(missing_ok=True)
+        raise click.ClickException(f"the export could not be written to {output}: {e.strerror or e}") from e
     except BaseException:
         Path(partial).unlink(missing_ok=True)
         raise
@@ -355,7 +366,7 @@ def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -
         return
     if not report.ok:
         if report.first_bad_seq is not None:
-            raise click.ClickException(f"chain broken at seq {report.first_bad_seq}: {report.problem}")
+            raise click.ClickException(f"{source} does not verify at seq {report.first_bad_seq}: {report.problem}")
         raise click.ClickException(f"{source} does not verify: {report.problem}")
     click.echo(f"OK: {report.events} events, head {report.head}")
 

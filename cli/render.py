@@ -158,8 +158,11 @@ def calls_table(records: Sequence[CallRecord], *, width: int | None = None, colo
     )
 
 
-def _json_value(text: str | None) -> Any:
-    return None if text is None else orjson.loads(text)
+def _json_value(text: str | None, what: str = "a stored value") -> Any:
+    try:
+        return None if text is None else orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise click.ClickException(f"{what} is not JSON: the journal has been altered (run verify)") from e
 
 
 def _plain(mapping: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -176,8 +179,8 @@ def call_json(record: CallRecord) -> dict[str, Any]:
         "attempt": record.attempt,
         "agent_id": record.agent_id,
         "idempotency_key": record.idempotency_key,
-        "arguments": _json_value(record.arguments),
-        "value": _json_value(record.value),
+        "arguments": _json_value(record.arguments, f"the arguments of call {record.call_id!r}"),
+        "value": _json_value(record.value, f"the value of call {record.call_id!r}"),
         "error": _plain(record.error),
         "reason": _plain(record.reason),
         "actor": record.actor,

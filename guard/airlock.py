@@ -124,6 +124,8 @@ class _Call:
     # -- refusals ------------------------------------------------------------------------------
 
     def refuse(self, code: str, error: str, journal: bool = True, **details: Any) -> Refusal:
+        if journal and self.eg is not None and self.arguments is None:
+            self._key_for_the_record()
         hints = _HINTS.get(str(details.get("violation_type")), ()) or _HINTS.get(code, ())
         refusal = make_refusal(
             code, error, hints,
@@ -139,6 +141,16 @@ class _Call:
                 )
             )
         return refusal
+
+    def _key_for_the_record(self) -> None:
+        """A refusal before the arguments were keyed still journals what was asked, when it can."""
+        try:
+            bound, _ = self.tool.binder.bind(self.args, self.kwargs)
+            arguments = canonical_bytes(bound)
+        except (TypeError, NotCanonical):
+            return
+        self.key = key_from_canonical(self.tool.key_prefix, arguments)
+        self.arguments = arguments.decode()
 
     # -- gates 1 to 5 --------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ __all__ = [
     "APPLICATION_ID",
     "LATEST",
     "MIGRATIONS",
+    "READABLE_FROM",
     "FileKind",
     "inspect",
     "migrate",
@@ -108,8 +109,19 @@ def _split(script: str) -> list[str]:
     return statements
 
 
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _create_v1}
+def _v2_no_replace(conn: sqlite3.Connection) -> None:
+    # INSERT OR REPLACE deletes the old row without firing the DELETE trigger: refuse it up front.
+    conn.execute(
+        "CREATE TRIGGER events_no_replace BEFORE INSERT ON events "
+        "WHEN EXISTS (SELECT 1 FROM events WHERE seq = NEW.seq) "
+        "BEGIN SELECT RAISE(ABORT, 'the event log is append-only: an event cannot be replaced'); END"
+    )
+
+
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _create_v1, 2: _v2_no_replace}
 LATEST = max(MIGRATIONS)
+# The oldest version a read-only open can read as it is (version 2 only added a trigger).
+READABLE_FROM = 1
 
 
 @dataclass(frozen=True, slots=True)

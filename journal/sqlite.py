@@ -218,7 +218,7 @@ class SQLiteJournal:
             if not path.exists():
                 raise JournalNotFound(f"There is no journal at {path}.")
             kind = self._check(self._inspect(), blank_ok=False)
-            if kind.version < schema.LATEST:
+            if kind.version < schema.READABLE_FROM:
                 raise JournalError(
                     f"The journal {path} has schema version {kind.version} and needs migrating to "
                     f"{schema.LATEST}; open it once for writing."

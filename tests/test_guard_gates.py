@@ -65,6 +65,10 @@ def test_refusal_shape_and_is_refusal() -> None:
     assert refusal["metadata"]["tool"] == "charge" and refusal["metadata"]["tool_call_id"] == "tc-1"
     assert not is_refusal({"success": False, "status": "blocked", "block_reason": "policy_violation"})
     assert refused_codes(store) == ["policy_violation"]
+    # The audit trail says what was asked, even of a call refused before it was keyed.
+    [event] = store.events()
+    assert event.arguments == '{"account":"a"}'
+    assert event.idempotency_key == idempotency_key("charge", {"account": "a"})
 
 
 def test_on_block_raise() -> None:

@@ -3229,11 +3229,6 @@ def test_oldest_unknown_at_is_when_the_call_last_entered_unknown(journal: Any, d
     assert parse(stats["oldest_unknown_at"]) == parse(unknowns[-1]["at"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="INSERT OR REPLACE on an existing seq silently deletes and rewrites the event: the DELETE trigger "
-    "does not fire for REPLACE conflict resolution (recursive_triggers is off), so the log is not append-only",
-)
 @pytest.mark.parametrize("verb", ["INSERT OR REPLACE", "REPLACE"])
 def test_database_refuses_replacing_an_event(journal: Any, db: Path, verb: str) -> None:
     populate(journal)
@@ -3963,11 +3958,6 @@ def _limited_file_size() -> None:  # runs in the child before exec
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a write that fails during `journal export --output FILE` (EFBIG, ENOSPC) escapes as a Python "
-    "traceback instead of one `Error:` line",
-)
 @pytest.mark.parametrize("fmt", ["jsonl", "csv"])
 def test_export_write_failure_to_a_file_is_one_error_line(tmp_path: Path, fmt: str) -> None:
     db = tmp_path / "big.db"
@@ -3981,11 +3971,6 @@ def test_export_write_failure_to_a_file_is_one_error_line(tmp_path: Path, fmt: s
     assert len(lines) == 1 and lines[0].startswith("Error: "), out.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`journal export` to stdout exits 0 and prints nothing on stderr when the write fails part way: "
-    "a truncated audit trail is reported as a success",
-)
 @pytest.mark.parametrize("fmt", ["jsonl", "csv"])
 def test_export_write_failure_to_stdout_is_an_error(tmp_path: Path, fmt: str) -> None:
     db = tmp_path / "big.db"
@@ -4012,11 +3997,6 @@ def _altered_projection(journal: Any, db: Path) -> None:
         conn.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`journal show --json` and `journal show CALL_ID --json` on a projection row whose JSON text was "
-    "altered crash with an uncaught JSONDecodeError (a traceback) instead of one `Error:` line",
-)
 @pytest.mark.parametrize("args", [["show", "--json"], ["show", "c-pay", "--json"]])
 def test_show_json_of_an_altered_projection_is_one_error_line(journal: Any, db: Path, args: list[str]) -> None:
     _altered_projection(journal, db)
@@ -4062,11 +4042,6 @@ def test_effect_status_unknown_since_is_when_the_call_entered_that_status(journa
     assert since_dt == dt.datetime.fromisoformat(unknown_at.replace("Z", "+00:00"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`resolve --applied --value 18446744073709551617` (a valid JSON integer beyond 64 bits) is accepted "
-    "and stored as the float 1.8446744073709552e+19: replays return a different number than --value",
-)
 def test_resolve_value_is_returned_exactly_or_refused(journal: Any, db: Path) -> None:
     charge, _runs = _unknown_call(journal)
     before = snapshot(db)

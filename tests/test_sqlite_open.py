@@ -275,6 +275,7 @@ def test_an_older_journal_is_migrated_on_a_writable_open(tmp_path: Path, monkeyp
 
     monkeypatch.setitem(schema.MIGRATIONS, LATEST + 1, add_notes)
     monkeypatch.setattr(schema, "LATEST", LATEST + 1)
+    monkeypatch.setattr(schema, "READABLE_FROM", LATEST + 1)  # a migration that changes what reads see
     with pytest.raises(JournalError, match="needs migrating"):
         SQLiteJournal(path, readonly=True)
     with SQLiteJournal(path) as j:
@@ -302,4 +303,31 @@ def test_a_failing_migration_changes_nothing(tmp_path: Path, monkeypatch: pytest
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA user_version").fetchone() == (LATEST,)
     assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'notes'").fetchone() is None
+    conn.close()
+
+
+def test_a_version_1_journal_gains_the_replace_guard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from journal import schema
+
+    path = tmp_path / "j.db"
+    monkeypatch.setattr(schema, "LATEST", 1)
+    make_journal(path)
+    monkeypatch.undo()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone() == (1,)
+    conn.close()
+    before = digest(path)
+    with SQLiteJournal(path, readonly=True) as j:  # readable as it is, and left as it was
+        assert j.get("c1") is not None and j.verify().ok
+    assert digest(path) == before
+    with SQLiteJournal(path) as j:
+        assert j.verify().ok
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone() == (LATEST,)
+    row = conn.execute("SELECT * FROM events WHERE seq = 1").fetchone()
+    forged = (*row[:4], "forged", *row[5:])
+    for verb in ("INSERT OR REPLACE INTO", "REPLACE INTO"):
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            conn.execute(f"{verb} events VALUES ({','.join('?' * len(row))})", forged)
+    assert conn.execute("SELECT tool FROM events WHERE seq = 1").fetchone() == (row[4],)
     conn.close()
