@@ -283,3 +283,28 @@ def test_the_journal_and_its_wal_and_shm_files_are_private_even_with_umask_0(tmp
     assert {"private.db-wal", "private.db-shm"} <= set(modes)
     for name in ("private.db-wal", "private.db-shm"):
         assert modes[name] == 0o600, (name, oct(modes[name]))  # as private as the journal itself
+
+
+def test_hostile_ids_and_arguments_through_the_adapters_are_kept_exactly(
+    airlock_journal: SQLiteJournal, airlock_effects: EffectLog
+) -> None:
+    from guard.adapters import anthropic, openai
+
+    tool = make_tool(airlock_journal, "pay", airlock_effects)
+    arguments = {**ARGUMENTS, "big": BIG}
+    for n, call_id in enumerate(CALL_IDS[:4]):
+        if n % 2 == 0:
+            reply = openai.dispatch({"id": call_id, "type": "function",
+                                     "function": {"name": "pay", "arguments": json.dumps(arguments)}}, [tool])
+            assert reply["tool_call_id"] == call_id
+            content = reply["content"]
+        else:
+            reply = anthropic.dispatch({"type": "tool_use", "id": call_id, "name": "pay", "input": arguments},
+                                       {"pay": tool})
+            assert (reply["tool_use_id"], reply["is_error"]) == (call_id, False)
+            content = reply["content"]
+        assert json.loads(content)["big_tail"] == MARK
+        record = airlock_journal.get(call_id)
+        assert record is not None and json.loads(record.arguments) == arguments
+    assert airlock_effects.count() == 4
+    assert airlock_journal.verify().ok
