@@ -501,6 +501,7 @@ class Transactions:
         self.level = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}[conn.execute("PRAGMA synchronous").fetchone()[0]]
         self.kinds: list[str] = []
         self.committed: list[tuple[str, tuple[str, ...]]] = []
+        self.last = ""
         conn.set_trace_callback(self.trace)
         sync_wal = journal._sync_wal
 
@@ -512,6 +513,10 @@ class Transactions:
 
     def trace(self, statement: str) -> None:
         text = statement.strip()
+        # SQLite traces a statement again as it enters a trigger (the log's BEFORE INSERT guard).
+        repeated, self.last = text == self.last, text
+        if repeated:
+            return
         if text.startswith("PRAGMA synchronous = "):
             self.level = text.rsplit(" ", 1)[1]
         elif text.startswith("INSERT INTO events"):
