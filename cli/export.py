@@ -9,23 +9,27 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from journal.export import CSV_COLUMNS, csv_cells, jsonl_lines
+from journal.export import CSV_COLUMNS, csv_cells
 
 BATCH = 2000
 
 
 def write_events(
-    rows: Iterable[tuple[Any, ...]],
+    journal: Any,
+    filters: dict[str, Any],
     out: BinaryIO,
     *,
     fmt: str,
     redact: frozenset[str] = frozenset(),
     advance: Callable[[int], None] | None = None,
 ) -> int:
-    """Write the stored event ``rows`` (a journal's ``event_rows``) to ``out`` as ``fmt``
-    (``jsonl``, or ``csv``, which starts with a header row of :data:`journal.export.CSV_COLUMNS`)
-    in batches of :data:`BATCH`; ``advance(n)`` is told after each batch. Returns the count."""
-    batches = _csv_batches(rows, redact) if fmt == "csv" else _jsonl_batches(rows, redact)
+    """Write the filtered events of ``journal`` to ``out`` as ``fmt`` (``jsonl``, or ``csv``, which
+    starts with a header row of :data:`journal.export.CSV_COLUMNS`) in batches; ``advance(n)`` is
+    told after each batch. Returns the count."""
+    if fmt == "csv":
+        batches = _csv_batches(journal.event_rows(**filters), redact)
+    else:
+        batches = journal.export_lines(redact=redact, **filters)
     written = 0
     for chunk, count in batches:
         _write_all(out, chunk)
@@ -44,17 +48,6 @@ def _write_all(out: BinaryIO, chunk: bytes) -> None:
         if not written:
             raise OSError(f"the output took no more bytes after {len(chunk) - len(view)} of a batch")
         view = view[written:]
-
-
-def _jsonl_batches(rows: Iterable[tuple[Any, ...]], redact: frozenset[str]) -> Iterator[tuple[bytes, int]]:
-    batch: list[bytes] = []
-    for line in jsonl_lines(rows, redact):
-        batch.append(line)
-        if len(batch) >= BATCH:
-            yield b"".join(batch), len(batch)
-            batch = []
-    if batch:
-        yield b"".join(batch), len(batch)
 
 
 def _csv_batches(rows: Iterable[tuple[Any, ...]], redact: frozenset[str]) -> Iterator[tuple[bytes, int]]:

@@ -284,7 +284,7 @@ def export(
             try:
                 with _quiet_broken_pipe():
                     out = _stdout()
-                    write_events(j.event_rows(**filters), out, fmt=fmt, redact=redact)
+                    write_events(j, filters, out, fmt=fmt, redact=redact)
                     out.flush()
             except OSError as e:
                 raise click.ClickException(f"the export could not be written: {e.strerror or e}") from e
@@ -304,9 +304,9 @@ def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, red
             if sys.stderr.isatty():
                 with click.progressbar(length=j.count_events(**filters), label="Exporting",
                                        file=sys.stderr) as bar:
-                    written = write_events(j.event_rows(**filters), out, fmt=fmt, redact=redact, advance=bar.update)
+                    written = write_events(j, filters, out, fmt=fmt, redact=redact, advance=bar.update)
             else:
-                written = write_events(j.event_rows(**filters), out, fmt=fmt, redact=redact)
+                written = write_events(j, filters, out, fmt=fmt, redact=redact)
         os.replace(partial, output)
     except OSError as e:
         Path(partial).unlink(missing_ok=True)

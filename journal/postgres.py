@@ -35,6 +35,7 @@ from . import pg_schema
 from .chain import GENESIS, ChainCheck, hash_of
 from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, StoreBusy
 from .events import JournalEvent, JournalStats, VerifyReport
+from .export import jsonl_lines
 from .projection import fold_into
 from .rows import (
     CALL_COLUMNS,
@@ -662,6 +663,27 @@ class PostgresJournal:
             if len(rows) < _BATCH:
                 return
             last = int(rows[-1][0])
+
+    def export_lines(
+        self,
+        *,
+        redact: frozenset[str] = frozenset(),
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> Iterator[tuple[bytes, int]]:
+        """The JSON Lines export of the filtered events, in batches: (the lines, how many)."""
+        batch: list[bytes] = []
+        rows = self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until)
+        for line in jsonl_lines(rows, redact):
+            batch.append(line)
+            if len(batch) >= _BATCH:
+                yield b"".join(batch), len(batch)
+                batch = []
+        if batch:
+            yield b"".join(batch), len(batch)
 
     def count_events(
         self,

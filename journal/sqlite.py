@@ -11,6 +11,7 @@ time by several threads share one. Every other event becomes durable with the ne
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sqlite3
 import threading
@@ -34,7 +35,7 @@ from .errors import (
     StoreBusy,
 )
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
-from .export import row_hash
+from .export import check_redact, jsonl_lines, row_hash
 from .projection import fold_into, fold_row, record_row
 from .rows import json_text, operator_event
 
@@ -48,6 +49,7 @@ _FULL, _NORMAL = "FULL", "NORMAL"
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 _BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 _BATCH = 1000
+_EXPORT_BYTES = 1 << 20  # about a megabyte of lines a batch
 _CHECKPOINT_PAGES = 4000
 _WAL_KEEP = 16 * 1024 * 1024
 # Connections inherited through fork are never used or closed in the child (closing one could
@@ -579,6 +581,70 @@ class SQLiteJournal:
             if len(rows) < _BATCH:
                 return
             params[0] = rows[-1][0]
+
+    def export_lines(
+        self,
+        *,
+        redact: frozenset[str] = frozenset(),
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> Iterator[tuple[bytes, int]]:
+        """The JSON Lines export of the filtered events, in batches: (the lines, how many).
+
+        SQLite writes each line's JSON itself (``json()`` also checks every stored JSON text), so
+        only the two digests are computed here; the lines hold the same values as
+        :meth:`JournalEvent.export`. A stored text that is not JSON raises :class:`JournalError`
+        naming the event.
+        """
+        check_redact(redact)
+        where, params = _event_filter(call_id, tool, agent_id, since, until, 0)
+        shown = {name: "NULL" if name in redact else f"json({name})" for name in ("arguments", "value")}
+        redacted = orjson.dumps(sorted(redact)).decode()
+        sql = (
+            "SELECT seq, json_object('seq', seq, 'at', at, 'call_id', call_id, 'kind', kind, 'tool', tool, "
+            "'agent_id', agent_id, 'idempotency_key', idempotency_key, "
+            f"'arguments', {shown['arguments']}, 'value', {shown['value']}, 'error', json(error), "
+            "'reason', json(reason), 'actor', actor, 'attempt', attempt, 'owner', json(owner), "
+            f"'prev_hash', prev_hash, 'hash', hash, 'redacted', json('{redacted}')), arguments, value "
+            f"FROM events WHERE {where} ORDER BY seq"
+        )
+        with self._lock:
+            self._connection()
+        # One read transaction on a connection of its own: a consistent snapshot, streamed.
+        snapshot = self._connect(schema.readonly_uri(self.path), uri=True)
+        sha256 = hashlib.sha256
+        try:
+            cursor = self._retry(snapshot, lambda: (snapshot.execute("BEGIN"), snapshot.execute(sql, params))[1])
+            parts: list[str] = []
+            size = count = 0
+            while True:
+                rows = cursor.fetchmany(100)
+                for _, line, arguments, value in rows:
+                    parts.append(line[:-1])
+                    parts.append(',"arguments_sha256":null' if arguments is None
+                                 else ',"arguments_sha256":"' + sha256(arguments.encode()).hexdigest() + '"')
+                    parts.append(',"value_sha256":null}\n' if value is None
+                                 else ',"value_sha256":"' + sha256(value.encode()).hexdigest() + '"}\n')
+                    size += len(line)
+                count += len(rows)
+                # Bounded by bytes, not events: an event may hold a megabyte of arguments.
+                if count and (size >= _EXPORT_BYTES or not rows):
+                    yield "".join(parts).encode(), count
+                    parts, size, count = [], 0, 0
+                if not rows:
+                    return
+        except sqlite3.Error as e:
+            if "JSON" in str(e):
+                # json() refused a stored text: the row path names the event and the field.
+                for row in self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until):
+                    next(jsonl_lines([row], redact))
+            raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                snapshot.close()
 
     def count_events(
         self,
