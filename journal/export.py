@@ -62,18 +62,17 @@ def _line(row: tuple[Any, ...], redact: frozenset[str], redacted: list[str]) -> 
         "seq": row[0], "at": row[1], "call_id": row[2], "kind": row[3], "tool": row[4], "agent_id": row[5],
         "idempotency_key": row[6],
         "arguments": None if "arguments" in redact else _json(row, 7, "arguments"),
-        "arguments_sha256": _digest(row[7]),
         "value": None if "value" in redact else _json(row, 8, "value"),
-        "value_sha256": _digest(row[8]),
         "error": _json(row, 9, "error"), "reason": _json(row, 10, "reason"), "actor": row[11],
         "attempt": row[12], "owner": _json(row, 13, "owner"), "prev_hash": row[14], "hash": row[15],
-        "redacted": redacted,
+        "redacted": redacted, "arguments_sha256": _digest(row[7]), "value_sha256": _digest(row[8]),
     }
 
 
 def jsonl_lines(rows: Iterable[tuple[Any, ...]], redact: frozenset[str] = frozenset()) -> Iterator[bytes]:
     """One JSON line (with its newline) per row: the export line of SPEC section 4, the same object
-    as :meth:`JournalEvent.export`. Raises :class:`JournalError` for a stored field that is not JSON."""
+    as :meth:`JournalEvent.export` (its two digests last, as SQLite's own export writes them).
+    Raises :class:`JournalError` for a stored field that is not JSON."""
     check_redact(redact)
     redacted = sorted(redact)
     if redact:
@@ -90,14 +89,14 @@ def jsonl_lines(rows: Iterable[tuple[Any, ...]], redact: frozenset[str] = frozen
                 "seq": row[0], "at": row[1], "call_id": row[2], "kind": row[3], "tool": row[4],
                 "agent_id": row[5], "idempotency_key": row[6],
                 "arguments": None if arguments is None else loads(arguments),
-                "arguments_sha256": None if arguments is None else sha256(arguments.encode()).hexdigest(),
                 "value": None if value is None else loads(value),
-                "value_sha256": None if value is None else sha256(value.encode()).hexdigest(),
                 "error": None if error is None else loads(error),
                 "reason": None if reason is None else loads(reason),
                 "actor": row[11], "attempt": row[12],
                 "owner": None if owner is None else loads(owner),
                 "prev_hash": row[14], "hash": row[15], "redacted": redacted,
+                "arguments_sha256": None if arguments is None else sha256(arguments.encode()).hexdigest(),
+                "value_sha256": None if value is None else sha256(value.encode()).hexdigest(),
             }
         except orjson.JSONDecodeError:
             line = _line(row, redact, redacted)

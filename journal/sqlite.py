@@ -603,6 +603,7 @@ class SQLiteJournal:
         where, params = _event_filter(call_id, tool, agent_id, since, until, 0)
         shown = {name: "NULL" if name in redact else f"json({name})" for name in ("arguments", "value")}
         redacted = orjson.dumps(sorted(redact)).decode()
+        # The two digests, computed here, close each line (as journal.export.jsonl_lines puts them).
         sql = (
             "SELECT seq, json_object('seq', seq, 'at', at, 'call_id', call_id, 'kind', kind, 'tool', tool, "
             "'agent_id', agent_id, 'idempotency_key', idempotency_key, "
