@@ -125,10 +125,12 @@ def row_hash(row: tuple[Any, ...]) -> str:
     The stored error, reason and owner are canonical JSON text already, so they enter the body as
     they are; a stored text that is not canonical (an altered row) gives another hash, as it should.
     """
-    error, reason, owner = row[9], row[10], row[13]
+    arguments, value, error, reason, owner = row[7], row[8], row[9], row[10], row[13]
     body = _dumps({
         "seq": row[0], "at": row[1], "call_id": row[2], "kind": row[3], "tool": row[4], "agent_id": row[5],
-        "idempotency_key": row[6], "arguments_sha256": _digest(row[7]), "value_sha256": _digest(row[8]),
+        "idempotency_key": row[6],
+        "arguments_sha256": None if arguments is None else _sha256(arguments.encode()).hexdigest(),
+        "value_sha256": None if value is None else _sha256(value.encode()).hexdigest(),
         "error": None if error is None else _Fragment(error),
         "reason": None if reason is None else _Fragment(reason),
         "actor": row[11], "attempt": row[12],
