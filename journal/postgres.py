@@ -35,8 +35,8 @@ from . import pg_schema
 from .chain import GENESIS, ChainCheck, hash_of
 from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, StoreBusy
 from .events import JournalEvent, JournalStats, VerifyReport
-from .export import jsonl_lines
 from .projection import fold_into
+from .reading import LogReads
 from .rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
@@ -158,7 +158,7 @@ class _Tx:
         self.committing = False
 
 
-class PostgresJournal:
+class PostgresJournal(LogReads):
     """A journal in a PostgreSQL database (its tables in the connection's current schema).
 
     ``PostgresJournal(dsn, busy_timeout=30.0, pool_size=8, readonly=False, create=True,
@@ -576,10 +576,6 @@ class PostgresJournal:
         """The call's current record, or None (never seen, or only refusals)."""
         return self.get(call_id)
 
-    def call_events(self, call_id: str) -> list[JournalEvent]:
-        """Every event of one call, in ``seq`` order."""
-        return list(self.events(call_id=call_id))
-
     def calls(
         self,
         *,
@@ -625,23 +621,6 @@ class PostgresJournal:
             params.append(format_at(until))
         return "".join(where), params
 
-    def events(
-        self,
-        *,
-        call_id: str | None = None,
-        tool: str | None = None,
-        agent_id: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        after_seq: int = 0,
-    ) -> Iterator[JournalEvent]:
-        """The log in ``seq`` order, filtered (``since`` inclusive, ``until`` exclusive), from
-        ``after_seq``. Streams in batches: memory stays bounded whatever the journal's size."""
-        for row in self.event_rows(
-            call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until, after_seq=after_seq
-        ):
-            yield self._decoded(event_from_row, row)
-
     def event_rows(
         self,
         *,
@@ -663,27 +642,6 @@ class PostgresJournal:
             if len(rows) < _BATCH:
                 return
             last = int(rows[-1][0])
-
-    def export_lines(
-        self,
-        *,
-        redact: frozenset[str] = frozenset(),
-        call_id: str | None = None,
-        tool: str | None = None,
-        agent_id: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-    ) -> Iterator[tuple[bytes, int]]:
-        """The JSON Lines export of the filtered events, in batches: (the lines, how many)."""
-        batch: list[bytes] = []
-        rows = self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until)
-        for line in jsonl_lines(rows, redact):
-            batch.append(line)
-            if len(batch) >= _BATCH:
-                yield b"".join(batch), len(batch)
-                batch = []
-        if batch:
-            yield b"".join(batch), len(batch)
 
     def count_events(
         self,

@@ -8,6 +8,7 @@ exported ISO-8601 text (so a stored row re-hashes to exactly the hash it carries
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -32,6 +33,7 @@ __all__ = [
     "projection_problem",
     "record_from_row",
     "stamp",
+    "stored_at",
 ]
 
 EVENT_COLUMNS = ("seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments", "value",
@@ -50,6 +52,13 @@ def json_text(obj: Mapping[str, Any] | None) -> str | None:
         return orjson.dumps(obj if type(obj) is dict else dict(obj), option=_SORTED).decode()
     except TypeError:
         return canonical_bytes(dict(obj)).decode()
+
+
+def stored_at(text: str) -> datetime:
+    """A stored time (``2026-12-01T05:23:06.123456Z``) as an aware UTC datetime: ``parse_at``,
+    faster for the texts the journals write themselves."""
+    at = datetime.fromisoformat(text)
+    return at if at.tzinfo is UTC else parse_at(text)
 
 
 def _loads(text: str | None) -> Any:
@@ -71,8 +80,8 @@ def record_from_row(row: tuple[Any, ...]) -> CallRecord:
     return CallRecord(
         call_id=row[0], tool=row[1], status=row[2], attempt=int(row[3]), agent_id=row[4],
         idempotency_key=row[5], arguments=row[6], value=row[7], error=_loads(row[8]), reason=_loads(row[9]),
-        actor=row[10], owner=_loads(row[11]), created_at=parse_at(row[12]), updated_at=parse_at(row[13]),
-        since=parse_at(row[14]), last_seq=int(row[15]),
+        actor=row[10], owner=_loads(row[11]), created_at=stored_at(row[12]), updated_at=stored_at(row[13]),
+        since=stored_at(row[14]), last_seq=int(row[15]),
     )
 
 
@@ -89,7 +98,7 @@ def call_row(record: CallRecord) -> tuple[Any, ...]:
 def event_from_row(row: tuple[Any, ...]) -> JournalEvent:
     """An event row (columns as :data:`EVENT_COLUMNS`) as a :class:`JournalEvent`."""
     return JournalEvent(
-        seq=int(row[0]), at=parse_at(row[1]), call_id=row[2], kind=row[3], tool=row[4], agent_id=row[5],
+        seq=int(row[0]), at=stored_at(row[1]), call_id=row[2], kind=row[3], tool=row[4], agent_id=row[5],
         idempotency_key=row[6], arguments=row[7], value=row[8], error=_loads(row[9]), reason=_loads(row[10]),
         actor=row[11], attempt=int(row[12]), owner=_loads(row[13]), prev_hash=row[14], hash=row[15],
     )

@@ -17,7 +17,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -37,7 +37,8 @@ from .errors import (
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
 from .export import check_redact, jsonl_lines, row_hash
 from .projection import fold_into, fold_row, record_row
-from .rows import json_text, operator_event
+from .reading import LogReads
+from .rows import event_from_row, json_text, operator_event, record_from_row
 
 __all__ = ["SQLiteJournal"]
 
@@ -89,42 +90,15 @@ def _busy(e: sqlite3.Error) -> bool:
     return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
 
 
-def _parse(text: str) -> datetime:
-    """``parse_at(text)``, faster for the ``...Z`` texts the journal stores."""
-    at = datetime.fromisoformat(text)
-    return at if at.tzinfo is UTC else parse_at(text)
-
-
 def _plain(obj: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return obj if obj is None or type(obj) is dict else dict(obj)
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else orjson.loads(text)
-
-
-def _record_of(row: tuple[Any, ...]) -> CallRecord:
-    return CallRecord(
-        call_id=row[0], tool=row[1], status=row[2], attempt=row[3], agent_id=row[4], idempotency_key=row[5],
-        arguments=row[6], value=row[7], error=_loads(row[8]), reason=_loads(row[9]), actor=row[10],
-        owner=_loads(row[11]), created_at=_parse(row[12]), updated_at=_parse(row[13]),
-        since=_parse(row[14]), last_seq=row[15],
-    )
 
 
 def _head_and_record(conn: sqlite3.Connection, call_id: str | None) -> tuple[tuple[int, str], CallRecord | None]:
     """Inside a write transaction: the log's (seq, hash) head and the current record of ``call_id``."""
     row = conn.execute(_SELECT_HEAD_AND_CALL, (call_id,)).fetchone()
     head = (0, GENESIS) if row[0] is None else (row[0], row[1])
-    return head, None if row[2] is None else _record_of(row[2:])
-
-
-def _event_of(row: tuple[Any, ...]) -> JournalEvent:
-    return JournalEvent(
-        seq=row[0], at=_parse(row[1]), call_id=row[2], kind=row[3], tool=row[4], agent_id=row[5],
-        idempotency_key=row[6], arguments=row[7], value=row[8], error=_loads(row[9]), reason=_loads(row[10]),
-        actor=row[11], attempt=row[12], owner=_loads(row[13]), prev_hash=row[14], hash=row[15],
-    )
+    return head, None if row[2] is None else record_from_row(row[2:])
 
 
 def _call_row(record: CallRecord, known: dict[int, str | None] | None = None) -> tuple[Any, ...]:
@@ -166,7 +140,7 @@ def _event_filter(
     return " AND ".join(clauses), params
 
 
-class SQLiteJournal:
+class SQLiteJournal(LogReads):
     """An :class:`~guard.store.EffectStore` on a SQLite file, with the operator's reads and repairs.
 
     Args:
@@ -472,7 +446,7 @@ class SQLiteJournal:
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
         row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
-        return None if row is None else _record_of(row)
+        return None if row is None else record_from_row(row)
 
     def _append(
         self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None, head: tuple[int, str]
@@ -538,28 +512,7 @@ class SQLiteJournal:
                 raise ValueError(f"limit is a number of calls, 0 or more, not {limit}")
             sql += f" LIMIT {int(limit)}"
         rows = self._read(lambda c: c.execute(sql, params).fetchall())
-        return [self._decoded(_record_of, row) for row in rows]
-
-    def call_events(self, call_id: str) -> list[JournalEvent]:
-        """Every event of ``call_id`` (refusals included) in ``seq`` order; [] for an id never seen."""
-        return list(self.events(call_id=call_id))
-
-    def events(
-        self,
-        *,
-        call_id: str | None = None,
-        tool: str | None = None,
-        agent_id: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        after_seq: int = 0,
-    ) -> Iterator[JournalEvent]:
-        """The events in ``seq`` order, filtered (``since <= at < until``, ``seq > after_seq``), read in
-        batches so that memory stays bounded however long the log is."""
-        for row in self.event_rows(
-            call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until, after_seq=after_seq
-        ):
-            yield self._decoded(_event_of, row)
+        return [self._decoded(record_from_row, row) for row in rows]
 
     def event_rows(
         self,
@@ -749,7 +702,7 @@ class SQLiteJournal:
         def step(conn: sqlite3.Connection) -> int:
             folded: dict[str, CallRecord] = {}
             for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
-                fold_into(folded, self._decoded(_event_of, row))
+                fold_into(folded, self._decoded(event_from_row, row))
             conn.execute("DELETE FROM calls")
             conn.executemany(_UPSERT_CALL, (_call_row(r) for r in folded.values()))
             return len(folded)

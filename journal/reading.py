@@ -1,0 +1,78 @@
+"""The reads both SQL journals make the same way, on top of each one's own ``event_rows``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any, TypeVar
+
+from .events import JournalEvent
+from .export import jsonl_lines
+from .rows import event_from_row
+
+__all__ = ["LogReads"]
+
+T = TypeVar("T")
+_LINES_A_BATCH = 1000
+
+
+class LogReads:
+    """``events``, ``call_events`` and ``export_lines`` for a journal that streams its stored rows."""
+
+    def event_rows(
+        self,
+        *,
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        after_seq: int = 0,
+    ) -> Iterator[tuple[Any, ...]]:
+        """The filtered log in ``seq`` order as stored rows (``journal.rows.EVENT_COLUMNS``), in batches."""
+        raise NotImplementedError
+
+    def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:
+        raise NotImplementedError
+
+    def events(
+        self,
+        *,
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        after_seq: int = 0,
+    ) -> Iterator[JournalEvent]:
+        """The events in ``seq`` order, filtered (``since <= at < until``, ``seq > after_seq``), read in
+        batches so that memory stays bounded however long the log is."""
+        for row in self.event_rows(
+            call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until, after_seq=after_seq
+        ):
+            yield self._decoded(event_from_row, row)
+
+    def call_events(self, call_id: str) -> list[JournalEvent]:
+        """Every event of ``call_id`` (refusals included) in ``seq`` order; [] for an id never seen."""
+        return list(self.events(call_id=call_id))
+
+    def export_lines(
+        self,
+        *,
+        redact: frozenset[str] = frozenset(),
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> Iterator[tuple[bytes, int]]:
+        """The JSON Lines export of the filtered events, in batches: (the lines, how many)."""
+        batch: list[bytes] = []
+        rows = self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until)
+        for line in jsonl_lines(rows, redact):
+            batch.append(line)
+            if len(batch) >= _LINES_A_BATCH:
+                yield b"".join(batch), len(batch)
+                batch = []
+        if batch:
+            yield b"".join(batch), len(batch)
