@@ -1,0 +1,158 @@
+"""verify() in parts: child processes each check a range of the chain and a share of the calls.
+
+Whatever the journal, the verdict (and, on a problem, the report naming the first bad event) is
+the one-pass verdict; a child that cannot run changes only the speed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guard.store import EffectEvent, current_owner, parse_at
+from journal import SQLiteJournal, sqlite_verify
+
+CALLS = 30
+
+
+def fill(journal: SQLiteJournal) -> None:
+    """Thirty calls, their events interleaved: most commit (some replayed), some end unknown."""
+    owner = current_owner()
+    for n in range(CALLS):
+        at = parse_at(f"2026-12-01T05:{n % 60:02d}:00.000000Z")
+        call_id = f"call_{n:04d}"
+        journal.append(EffectEvent("pending", call_id, "charge", at, "agent-1", f"k{n}", '{"cents":5}',
+                                   owner=owner, attempt=1))
+        if n % 3 == 0:
+            journal.append(EffectEvent("refused", None, "charge", at, reason={"code": "rate_limited"},
+                                       owner=owner))
+        if n % 5 == 4:
+            journal.append(EffectEvent("unknown", call_id, "charge", at, error={"type": "TimeoutError"},
+                                       owner=owner, attempt=1))
+        elif n % 2 == 1:
+            journal.append(EffectEvent("committed", f"call_{n - 1:04d}", "charge", at, value='{"id":1}',
+                                       owner=owner, attempt=1))
+            journal.append(EffectEvent("committed", call_id, "charge", at, value=f'{{"id":{n}}}',
+                                       owner=owner, attempt=1))
+    journal.append(EffectEvent("replayed", "call_0001", "charge", owner=owner, attempt=1))
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Any:
+    j = SQLiteJournal(tmp_path / "j.db", durability="process")
+    fill(j)
+    yield j
+    j.close()
+
+
+def raw(journal: SQLiteJournal) -> sqlite3.Connection:
+    conn = sqlite3.connect(journal.path, isolation_level=None)
+    conn.execute("DROP TRIGGER IF EXISTS events_no_update")
+    conn.execute("DROP TRIGGER IF EXISTS events_no_delete")
+    return conn
+
+
+def test_an_intact_journal_verifies_in_parts_as_in_one_pass(journal: SQLiteJournal) -> None:
+    head = journal.head()
+    one = journal.verify(parts=1)
+    assert (one.ok, one.events, one.head) == (True, head[0], head[1])
+    for parts in (2, 3, 4):
+        assert journal.verify(parts=parts) == one
+        assert all(sqlite_verify.check_part(journal.path, p, parts, head[0]) for p in range(parts))
+
+
+def _tampers(head: int) -> list[str]:
+    middle = head // 2
+    return [
+        "UPDATE events SET value = '{\"id\":999}' WHERE seq = 2",
+        f"UPDATE events SET at = '2026-12-01T06:00:00.000000Z' WHERE seq = {middle}",
+        f"UPDATE events SET attempt = 'one' WHERE seq = {middle + 1}",
+        f"UPDATE events SET owner = '{{\"host\":\"elsewhere\"}}' WHERE seq = {head}",
+        f"UPDATE events SET prev_hash = hash WHERE seq = {middle}",
+        f"UPDATE events SET arguments = '{{\"cents\":' WHERE seq = {middle - 1}",
+        "UPDATE events SET tool = 'refund' WHERE seq = 1",
+        f"DELETE FROM events WHERE seq = {middle}",
+        f"DELETE FROM events WHERE seq = {head - 1}",
+        "UPDATE calls SET status = 'released', value = NULL WHERE call_id = 'call_0003'",
+        "UPDATE calls SET last_seq = last_seq + 1 WHERE call_id = 'call_0020'",
+        "DELETE FROM calls WHERE call_id = 'call_0017'",
+        "INSERT INTO calls SELECT 'ghost', tool, status, attempt, agent_id, idempotency_key, arguments, value, "
+        "error, reason, actor, owner, created_at, updated_at, since, last_seq FROM calls LIMIT 1",
+    ]
+
+
+@pytest.mark.parametrize("index", range(13))
+def test_a_tampered_journal_gets_the_one_pass_report(journal: SQLiteJournal, index: int) -> None:
+    tamper = _tampers(journal.head()[0])[index]
+    conn = raw(journal)
+    conn.execute(tamper)
+    conn.close()
+    one = journal.verify(parts=1)
+    assert not one.ok and one.problem
+    head = journal.head()[0]
+    for parts in (2, 3):
+        # At least one part sees the problem, and the report is the one-pass report.
+        assert not all(sqlite_verify.check_part(journal.path, p, parts, head) for p in range(parts))
+        assert journal.verify(parts=parts) == one
+
+
+def test_each_call_is_checked_by_exactly_one_part(journal: SQLiteJournal) -> None:
+    head = journal.head()[0]
+    for n in range(CALLS):
+        conn = raw(journal)
+        conn.execute("UPDATE calls SET reason = '{\"code\":\"edited\"}' WHERE call_id = ?", (f"call_{n:04d}",))
+        conn.close()
+        said = [sqlite_verify.check_part(journal.path, p, 3, head) for p in range(3)]
+        assert said.count(False) == 1, (n, said)
+        journal.rebuild()
+
+
+def test_a_child_that_cannot_start_leaves_the_verdict_unchanged(
+    journal: SQLiteJournal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    intact = journal.verify(parts=1)
+    monkeypatch.setattr(sqlite_verify.sys, "executable", "/nonexistent/python")
+    assert journal.verify(parts=2) == intact
+    conn = raw(journal)
+    conn.execute("UPDATE events SET kind = 'released' WHERE seq = 3")
+    conn.close()
+    tampered = journal.verify(parts=2)
+    assert not tampered.ok and tampered == journal.verify(parts=1)
+
+
+def test_a_large_journal_is_verified_in_parts_by_default(
+    journal: SQLiteJournal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[int] = []
+    start = sqlite_verify.start_part
+
+    def counting(*args: Any) -> Any:
+        started.append(args[1])
+        return start(*args)
+
+    monkeypatch.setattr(sqlite_verify, "start_part", counting)
+    assert journal.verify().ok
+    assert started == []  # a small journal: one pass
+    monkeypatch.setattr(sqlite_verify, "PARALLEL_FROM", 10)
+    assert journal.verify().ok
+    assert started and started[0] == 1
+
+
+def test_a_part_runs_as_a_command(journal: SQLiteJournal) -> None:
+    head = str(journal.head()[0])
+    done = subprocess.run([sys.executable, "-m", "journal.sqlite_verify", str(journal.path), "1", "2", head],
+                          capture_output=True)
+    assert (done.returncode, done.stdout) == (0, b'{"ok":true}\n')
+    done = subprocess.run([sys.executable, "-m", "journal.sqlite_verify"], capture_output=True)
+    assert done.returncode == 2 and b"usage" in done.stderr and done.stdout == b""
+
+
+@pytest.mark.parametrize("parts", [0, -1, True, 1.5])
+def test_parts_must_be_a_positive_number(journal: SQLiteJournal, parts: Any) -> None:
+    with pytest.raises(ValueError, match="parts"):
+        journal.verify(parts=parts)
