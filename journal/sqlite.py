@@ -10,6 +10,7 @@ time by several threads share one. Every other event becomes durable with the ne
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
@@ -84,6 +85,20 @@ _SELECT_HEAD_AND_CALL = (
     + ", ".join(f"calls.{c}" for c in _CALL_COLUMNS.split(", "))
     + " FROM (SELECT 1) LEFT JOIN calls ON calls.call_id = ?"
 )
+
+
+class _Request:
+    """One thread's write (``step``, run in a transaction at NORMAL), and what came of it."""
+
+    __slots__ = ("done", "error", "forks", "result", "step", "ticket")
+
+    def __init__(self, step: Callable[[sqlite3.Connection], Any]) -> None:
+        self.step = step
+        self.forks = _FORKS[0]
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.ticket = 0
 
 
 def _busy(e: sqlite3.Error) -> bool:
@@ -178,6 +193,7 @@ class SQLiteJournal(LogReads):
         self.readonly = readonly
         self._create = create
         self._lock = threading.RLock()
+        self._requests: collections.deque[_Request] = collections.deque()  # writes waiting for the lock
         self._sync: str | None = None
         self._owner: tuple[object, str | None] = (object(), None)
         self._arguments: tuple[str | None, str | None] = (None, None)
@@ -337,11 +353,11 @@ class SQLiteJournal(LogReads):
                     try:
                         result = body(conn)
                         conn.execute("COMMIT")
-                        return result
                     except BaseException:
                         if conn.in_transaction:
                             conn.execute("ROLLBACK")
                         raise
+                    return result
                 except sqlite3.Error as e:
                     waited = self._wait(conn, e, deadline)
         finally:
@@ -351,6 +367,64 @@ class SQLiteJournal(LogReads):
     def _write(self, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
             return self._transaction(self._connection(), sync, body)
+
+    def _combined(self, step: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
+        """Run ``step`` in a write transaction at NORMAL; returns its result and the commit's ticket
+        for :meth:`_wait_durable`.
+
+        The writes of threads that wait for the lock meanwhile are made by whichever of them gets
+        it first, all in one transaction, each in a savepoint of its own (a step that fails is
+        undone alone and raises in its own thread): so threads that write at once share a commit,
+        and the pages it writes, as well as the fsync. Each thread returns only after the commit
+        that holds its write.
+        """
+        request = _Request(step)
+        self._requests.append(request)
+        with self._lock:
+            if not request.done:
+                self._run_requests()
+        if request.error is not None:
+            raise request.error
+        return request.result, request.ticket
+
+    def _run_requests(self) -> None:
+        """Under the lock: make every waiting write, in one transaction."""
+        conn = self._connection()
+        batch: list[_Request] = []
+        requests = self._requests
+        while requests:
+            request = requests.popleft()
+            if request.forks == _FORKS[0]:  # a write queued before a fork is the parent's to make
+                batch.append(request)
+        if not batch:
+            return
+        try:
+            if len(batch) == 1:
+                batch[0].result = self._transaction(conn, _NORMAL, batch[0].step)
+            else:
+                self._transaction(conn, _NORMAL, lambda c: self._run_in_savepoints(c, batch))
+        except BaseException as e:
+            for request in batch:
+                request.result, request.error = None, e
+        else:
+            self._written += 1
+        for request in batch:
+            request.ticket = self._written
+            request.done = True
+
+    def _run_in_savepoints(self, conn: sqlite3.Connection, batch: list[_Request]) -> None:
+        for request in batch:
+            request.error = None
+            conn.execute("SAVEPOINT airlock_write")
+            try:
+                request.result = request.step(conn)
+            except Exception as e:
+                conn.execute("ROLLBACK TO airlock_write")
+                request.result = None
+                request.error = (
+                    JournalError(f"The journal {self.path} failed: {e}.") if isinstance(e, sqlite3.Error) else e
+                )
+            conn.execute("RELEASE airlock_write")
 
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
@@ -376,13 +450,9 @@ class SQLiteJournal(LogReads):
             self._append(conn, decision.event, record, head)
             return decision
 
-        with self._lock:
-            decision = self._transaction(self._connection(), _NORMAL, step)
-            if self.durability != "full" or decision.event.kind != "pending":
-                return decision
-            self._written += 1
-            ticket = self._written
-        self._wait_durable(ticket)
+        decision, ticket = self._combined(step)
+        if self.durability == "full" and decision.event.kind == "pending":
+            self._wait_durable(ticket)
         return decision
 
     # -- group commit --------------------------------------------------------------------------
@@ -435,13 +505,15 @@ class SQLiteJournal(LogReads):
 
     def append(self, event: EffectEvent) -> None:
         """Record an outcome or a refusal outside ``begin``; it becomes durable with the next fsync."""
-        sync = _FULL if event.kind == "pending" and self.durability == "full" else _NORMAL
 
         def step(conn: sqlite3.Connection) -> None:
             head, record = _head_and_record(conn, event.call_id)
             self._append(conn, event, record, head)
 
-        self._write(sync, step)
+        if event.kind == "pending" and self.durability == "full":
+            self._write(_FULL, step)
+        else:
+            self._combined(step)
 
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""

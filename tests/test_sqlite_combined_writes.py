@@ -1,0 +1,130 @@
+"""Threads that write to one SQLiteJournal at once share a transaction (and its commit).
+
+Each write still happens whole or not at all, in its own savepoint: one that fails raises in its
+own thread and leaves the others, and the log, as if it had never been tried.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
+from guard.effect_guard import EffectGuard
+from guard.store import Decision, EffectEvent, Verdict
+from journal import JournalError, SQLiteJournal
+
+
+@pytest.fixture(params=["full", "process"])
+def journal(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    j = SQLiteJournal(tmp_path / "j.db", durability=request.param)
+    yield j
+    j.close()
+
+
+def _begin(journal: SQLiteJournal, call_id: str) -> Any:
+    """A begin that records ``pending`` for ``call_id`` (as the guard's decision for a new call does)."""
+    return lambda: journal.begin(call_id, lambda record: Decision(
+        Verdict.RUN, EffectEvent("pending", call_id, "charge", attempt=1), record))
+
+
+def _commits(journal: SQLiteJournal) -> list[str]:
+    seen: list[str] = []
+    journal._conn.set_trace_callback(lambda sql: seen.append(sql) if sql == "COMMIT" else None)
+    return seen
+
+
+def _queued(journal: SQLiteJournal, writes: list[Any]) -> list[BaseException | None]:
+    """Start one thread per write while the journal's lock is held, so that they all queue, then let go."""
+    outcomes: list[BaseException | None] = [None] * len(writes)
+
+    def run(i: int) -> None:
+        try:
+            writes[i]()
+        except BaseException as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(writes))]
+    with journal._lock:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(journal._requests) < len(writes) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(journal._requests) == len(writes)
+    for t in threads:
+        t.join(10)
+    return outcomes
+
+
+def test_writes_queued_together_are_made_in_one_commit(journal: SQLiteJournal) -> None:
+    commits = _commits(journal)
+    outcomes = _queued(journal, [_begin(journal, f"c{i}") for i in range(3)]
+                       + [lambda: journal.append(EffectEvent("refused", None, "charge")) for _ in range(3)])
+    assert outcomes == [None] * 6
+    assert len(commits) <= 2  # the first may have taken the lock alone; the rest share one commit
+    assert journal.head()[0] == 6
+    assert sorted(r.call_id for r in journal.calls(limit=None)) == ["c0", "c1", "c2"]
+    assert journal.verify().ok
+
+
+def test_a_failing_write_in_a_shared_transaction_fails_alone(journal: SQLiteJournal) -> None:
+    bad = EffectEvent("deleted", "c9", "charge", attempt=1)  # the CHECK constraint refuses the kind
+    writes = [_begin(journal, "c0"), _begin(journal, "c1"), lambda: journal.append(bad)]
+    writes += [_begin(journal, "c2"), _begin(journal, "c3")]
+    outcomes = _queued(journal, writes)
+    assert [o is None for o in outcomes] == [True, True, False, True, True]
+    assert isinstance(outcomes[2], JournalError) and "CHECK" in str(outcomes[2])
+    logged = list(journal.events())
+    assert [e.seq for e in logged] == [1, 2, 3, 4]  # no gap where the failed write was undone
+    assert sorted(e.call_id for e in logged) == ["c0", "c1", "c2", "c3"]
+    assert journal.get("c9") is None
+    assert journal.verify().ok
+
+
+def test_an_exception_in_a_decision_is_raised_in_its_own_thread(journal: SQLiteJournal) -> None:
+    def decide(record: Any) -> Any:
+        raise RuntimeError("the decision failed")
+
+    writes = [_begin(journal, "c1"), lambda: journal.begin("c2", decide), _begin(journal, "c3")]
+    outcomes = _queued(journal, writes)
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], RuntimeError)
+    assert sorted(e.call_id for e in journal.events()) == ["c1", "c3"]
+    assert journal.verify().ok
+
+
+def test_many_threads_on_one_journal_run_each_tool_once(journal: SQLiteJournal) -> None:
+    runs: list[str] = []
+    lock = threading.Lock()
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(account: str, cents: int) -> dict[str, Any]:
+        with lock:
+            runs.append(account)
+        return {"charged": cents}
+
+    ids = [f"call-{i % 40}" for i in range(320)]  # each id asked for by 8 threads
+    results: list[Any] = [None] * len(ids)
+    barrier = threading.Barrier(8)
+
+    def work(t: int) -> None:
+        barrier.wait()
+        for i in range(t, len(ids), 8):
+            with AirlockContext(metadata={"tool_call_id": ids[i]}):
+                results[i] = charge(ids[i], 5)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(runs) == sorted(set(ids))  # one run per id
+    for r in results:
+        assert r == {"charged": 5} or (is_refusal(r) and r["block_reason"] == "effect_status_unknown")
+    assert all(journal.get(i).status == "committed" for i in set(ids))
+    assert journal.verify().ok
