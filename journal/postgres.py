@@ -101,7 +101,13 @@ def _cas_append(project: bool, absent: bool, relaxed: bool) -> str:
             "ON CONFLICT (call_id) DO UPDATE SET "
             + ", ".join(f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS if c != "call_id") + ")"
         )
-    return f"WITH {', '.join(parts)} SELECT count(*) FROM head"
+    # Whether it moved the head; and, for a retry when it did not, the head and the call's row as
+    # the statement found them (its snapshot: the CTEs' own changes are not seen here).
+    found = ", ".join(f"c.{c}" for c in CALL_COLUMNS)
+    return (
+        f"WITH {', '.join(parts)} SELECT (SELECT count(*) FROM head), h.seq, h.hash, h.generation, {found} "
+        "FROM chain_head h LEFT JOIN calls c ON c.call_id = %s WHERE h.id = 1"
+    )
 
 
 _CAS_APPEND = {(p, a, r): _cas_append(p, a, r) for p in (False, True) for a in (False, True) for r in (False, True)}
@@ -147,6 +153,9 @@ class _Head:
     seq: int
     hash: str
     generation: int
+
+
+_Seen = tuple[_Head, CallRecord | None]  # what a compare-and-set that failed found
 
 
 class _Tx:
@@ -232,6 +241,10 @@ class PostgresJournal(LogReads):
             # A client that stalls inside a transaction must not hold the write lock for ever.
             f"SET idle_in_transaction_session_timeout = {int(max(60.0, 2 * self.busy_timeout) * 1000)}",
         ]
+        if conn.info.server_version >= 120000:
+            # The journal's statements look rows up by key: one plan fits every parameter, and
+            # planning each execution anew would cost more than the plan saves.
+            settings.append("SET plan_cache_mode = force_generic_plan")
         if self.readonly:
             settings.append("SET default_transaction_read_only = on")
         for setting in settings:
@@ -486,9 +499,11 @@ class PostgresJournal(LogReads):
         return stored
 
     def _try_append(self, head: _Head, record: CallRecord | None, event: EffectEvent, doing: str,
-                    absent: str | None = None) -> JournalEvent | None:
+                    absent: str | None = None) -> tuple[JournalEvent | None, _Seen | None]:
         """Append ``event`` after ``head`` in one round trip, if the head is still there (and the
-        call ``absent`` has no record); None otherwise, and then nothing was written."""
+        call ``absent`` has no record). Returns the stored event, or None (and then nothing was
+        written) with what the statement found: the head and the call's record, to try again with
+        (None when the connection was lost)."""
         stored, row = stamp(event, head.seq + 1, head.hash)
         updated = apply(record, event, stored.seq) if event.call_id is not None else None
         project = updated is not None and updated is not record
@@ -498,34 +513,47 @@ class PostgresJournal(LogReads):
         statement = _CAS_APPEND[project, absent is not None, event.kind != "pending"]
         params = (*cas, *row, *call_row(updated)) if updated is not None and project else (*cas, *row)
         try:
-            moved = self._single_statement(doing, statement, params) != (1,)
+            result = self._single_statement(doing, statement, (*params, event.call_id))
         except _ConnectionLost:
             # In doubt: the compare-and-set either committed whole or not at all; look for it.
-            found = self._read(doing, "SELECT 1 FROM events WHERE seq = %s AND hash = %s", (stored.seq, stored.hash))
-            moved = not found
-        if moved:
-            return None
+            if not self._read(doing, "SELECT 1 FROM events WHERE seq = %s AND hash = %s", (stored.seq, stored.hash)):
+                return None, None
+            result = (1,)
+        assert result is not None  # the chain_head row is always there
+        if result[0] != 1:
+            seen = _Head(int(result[1]), str(result[2]), int(result[3]))
+            found = None if result[4] is None else self._decoded(record_from_row, result[4:])
+            return None, (seen, found)
         self._recent = (_Head(stored.seq, stored.hash, head.generation), event.call_id,
                         updated if project else record)
-        return stored
+        return stored, None
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         """Read the call's record, let ``decide`` choose, append its event, atomically: no other
         append comes between the read and the append.
 
-        Right after this object's own write, in one round trip (a compare-and-set on the head);
-        else in one transaction that locks the head row first (two round trips).
+        Right after this object's own write, in one round trip (a compare-and-set on the head, which
+        also reads the record the decision should have been taken on, for one more try); else in
+        one transaction that locks the head row first (two round trips).
         """
         doing = "record the call"
         self._check_writable(doing)
         recent = self._recent
         if recent is not None and self._skip_cas <= 0:
-            head, known_id, known_record = recent
-            known = known_id == call_id
-            decision = decide(known_record if known else None)
-            if self._try_append(head, known_record if known else None, decision.event, doing,
-                                absent=None if known else call_id) is not None:
-                return decision
+            head, known_id, record = recent
+            absent: str | None = None if known_id == call_id else call_id
+            if absent is not None:
+                record = None  # decided as for a call never seen; the append checks that it is not
+            for _ in range(2):
+                decision = decide(record)
+                stored, seen = self._try_append(head, record, decision.event, doing, absent=absent)
+                if stored is not None:
+                    return decision
+                if seen is None:
+                    break
+                # The head the statement found, and the record as of that head: current while the
+                # head does not move again (every change of the projection moves it).
+                (head, record), absent = seen, None
         self._skip_cas = max(0, self._skip_cas - 1)
         decisions: list[Decision] = []
 
@@ -549,9 +577,14 @@ class PostgresJournal(LogReads):
             # This object wrote last: if it still did, its head and the call's record are current.
             head, call_id, record = recent
             if call_id == event.call_id or event.call_id is None or event.kind in _NO_RECORD_NEEDED:
-                stored = self._try_append(head, record if call_id == event.call_id else None, event, doing)
-                if stored is not None:
-                    return stored
+                attempt_record = record if call_id == event.call_id else None
+                for _ in range(2):
+                    stored, seen = self._try_append(head, attempt_record, event, doing)
+                    if stored is not None:
+                        return stored
+                    if seen is None:
+                        break
+                    head, attempt_record = seen
         self._skip_cas = max(0, self._skip_cas - 1)
         return self._locked_write(doing, event.call_id, lambda record: event)
 

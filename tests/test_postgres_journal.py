@@ -418,3 +418,35 @@ def test_a_nul_character_cannot_be_stored_and_changes_nothing(journal: PostgresJ
     assert journal.head() == head
     run(journal, "c2")  # the journal carries on
     assert journal.verify().ok and journal.head()[0] == 2
+
+
+def test_a_replay_of_another_call_is_two_statements_and_takes_no_lock(
+    journal: PostgresJournal, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compare-and-set that fails reports the head and the record it found; the second try with
+    them succeeds while nobody else writes. Each decision is taken on the record as it was."""
+    from guard.effect_guard import decide_attempt
+
+    def decide_like_the_guard(call_id: str) -> Any:
+        return lambda record: decide_attempt(record, call_id, "charge", "k" * 64, '{"cents":5}', None, False, None)
+
+    for n in range(3):
+        run(journal, f"c{n}")
+        commit(journal, f"c{n}", value=f'{{"n":{n}}}')
+    with PostgresJournal(pg_dsn) as other:  # another replica writes meanwhile: the head moves
+        run(other, "elsewhere")
+    statements: list[str] = []
+    locked: list[str] = []
+    single, locked_write = journal._single_statement, journal._locked_write
+    monkeypatch.setattr(journal, "_single_statement", lambda d, sql, p: statements.append(sql) or single(d, sql, p))
+    monkeypatch.setattr(journal, "_locked_write", lambda d, c, f: locked.append(d) or locked_write(d, c, f))
+    for n in (0, 1):  # neither is the call this object wrote last
+        decision = journal.begin(f"c{n}", decide_like_the_guard(f"c{n}"))
+        assert decision.verdict is Verdict.REPLAY and decision.record is not None
+        assert decision.record.value == f'{{"n":{n}}}'
+    decision = journal.begin("c3", decide_like_the_guard("c3"))
+    assert decision.verdict is Verdict.RUN
+    # c0 and c1: a try that finds the head moved or the call there, then one that appends; c3: one.
+    assert (len(statements), locked) == (5, [])
+    assert [e.kind for e in journal.call_events("c0")] == ["pending", "committed", "replayed"]
+    assert journal.verify().ok
