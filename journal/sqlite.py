@@ -373,10 +373,10 @@ class SQLiteJournal(LogReads):
         for :meth:`_wait_durable`.
 
         The writes of threads that wait for the lock meanwhile are made by whichever of them gets
-        it first, all in one transaction, each in a savepoint of its own (a step that fails is
-        undone alone and raises in its own thread): so threads that write at once share a commit,
-        and the pages it writes, as well as the fsync. Each thread returns only after the commit
-        that holds its write.
+        it first, all in one transaction: so threads that write at once share a commit, and the
+        pages it writes, as well as the fsync. If one of them fails, that transaction is undone
+        and each write is made again in a transaction of its own, so that only the failing one
+        raises, in its own thread. Each thread returns only after the commit that holds its write.
         """
         request = _Request(step)
         self._requests.append(request)
@@ -388,7 +388,7 @@ class SQLiteJournal(LogReads):
         return request.result, request.ticket
 
     def _run_requests(self) -> None:
-        """Under the lock: make every waiting write, in one transaction."""
+        """Under the lock: make every waiting write, in one transaction when they all succeed."""
         conn = self._connection()
         batch: list[_Request] = []
         requests = self._requests
@@ -396,35 +396,29 @@ class SQLiteJournal(LogReads):
             request = requests.popleft()
             if request.forks == _FORKS[0]:  # a write queued before a fork is the parent's to make
                 batch.append(request)
-        if not batch:
-            return
         try:
-            if len(batch) == 1:
-                batch[0].result = self._transaction(conn, _NORMAL, batch[0].step)
-            else:
-                self._transaction(conn, _NORMAL, lambda c: self._run_in_savepoints(c, batch))
-        except BaseException as e:
+            if len(batch) > 1:
+                try:
+                    results = self._transaction(conn, _NORMAL, lambda c: [r.step(c) for r in batch])
+                except Exception:
+                    pass  # one of them failed, and all were undone: each is made again alone, to fail alone
+                else:
+                    self._written += 1
+                    for request, result in zip(batch, results, strict=True):
+                        request.result, request.ticket, request.done = result, self._written, True
+                    return
             for request in batch:
-                request.result, request.error = None, e
-        else:
-            self._written += 1
-        for request in batch:
-            request.ticket = self._written
-            request.done = True
-
-    def _run_in_savepoints(self, conn: sqlite3.Connection, batch: list[_Request]) -> None:
-        for request in batch:
-            request.error = None
-            conn.execute("SAVEPOINT airlock_write")
-            try:
-                request.result = request.step(conn)
-            except Exception as e:
-                conn.execute("ROLLBACK TO airlock_write")
-                request.result = None
-                request.error = (
-                    JournalError(f"The journal {self.path} failed: {e}.") if isinstance(e, sqlite3.Error) else e
-                )
-            conn.execute("RELEASE airlock_write")
+                try:
+                    request.result = self._transaction(conn, _NORMAL, request.step)
+                    self._written += 1
+                except Exception as e:
+                    request.error = e
+                request.ticket, request.done = self._written, True
+        except BaseException as e:  # interrupted: the writes not made fail in their threads
+            for request in batch:
+                if not request.done:
+                    request.error, request.done = e, True
+            raise
 
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:

@@ -1,7 +1,7 @@
 """Threads that write to one SQLiteJournal at once share a transaction (and its commit).
 
-Each write still happens whole or not at all, in its own savepoint: one that fails raises in its
-own thread and leaves the others, and the log, as if it had never been tried.
+Each write still happens whole or not at all: one that fails raises in its own thread and leaves
+the others, and the log, as if it had never been tried.
 """
 
 from __future__ import annotations
