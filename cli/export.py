@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import csv
-import io
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
 import orjson
-
-from journal.export import CSV_COLUMNS, csv_cells
-
-BATCH = 2000
 
 
 def write_events(
@@ -27,7 +21,7 @@ def write_events(
     starts with a header row of :data:`journal.export.CSV_COLUMNS`) in batches; ``advance(n)`` is
     told after each batch. Returns the count."""
     if fmt == "csv":
-        batches = _csv_batches(journal.event_rows(**filters), redact)
+        batches = journal.export_csv(redact=redact, **filters)
     else:
         batches = journal.export_lines(redact=redact, **filters)
     written = 0
@@ -48,22 +42,6 @@ def _write_all(out: BinaryIO, chunk: bytes) -> None:
         if not written:
             raise OSError(f"the output took no more bytes after {len(chunk) - len(view)} of a batch")
         view = view[written:]
-
-
-def _csv_batches(rows: Iterable[tuple[Any, ...]], redact: frozenset[str]) -> Iterator[tuple[bytes, int]]:
-    text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
-    n = 0
-    for cells in csv_cells(rows, redact):
-        writer.writerow(cells)
-        n += 1
-        if n >= BATCH:
-            yield text.getvalue().encode(), n
-            text.seek(0)
-            text.truncate()
-            n = 0
-    yield text.getvalue().encode(), n
 
 
 class NotJsonLines(ValueError):

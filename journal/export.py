@@ -16,7 +16,7 @@ import orjson
 from .errors import JournalError
 from .events import REDACTABLE
 
-__all__ = ["CSV_COLUMNS", "check_redact", "csv_cells", "jsonl_lines", "row_hash"]
+__all__ = ["CSV_COLUMNS", "check_redact", "csv_cell", "csv_cells", "csv_header", "csv_lines", "jsonl_lines", "row_hash"]
 
 # The CSV columns, in this order: section 3's fields, each digest of a JSON value beside it.
 CSV_COLUMNS: tuple[str, ...] = (
@@ -117,6 +117,68 @@ def csv_cells(rows: Iterable[tuple[Any, ...]], redact: frozenset[str] = frozense
             "" if "value" in redact or row[8] is None else row[8], _digest(row[8]) or "",
             row[9] or "", row[10] or "", row[11], str(row[12]), row[13] or "", row[14], row[15], redacted_text,
         ]
+
+
+_NEEDS_QUOTES = frozenset(',"\r\n')
+
+
+def csv_cell(text: Any) -> str:
+    """One CSV cell (RFC 4180): quoted, with its quotes doubled, when it holds a comma, a quote, a
+    carriage return or a line feed; as it is otherwise."""
+    cell = text if type(text) is str else str(text)  # only an altered row stores other types in a text column
+    if _NEEDS_QUOTES.isdisjoint(cell):
+        return cell
+    return '"' + cell.replace('"', '""') + '"'
+
+
+def _json_cell(text: str | None) -> str:
+    """:func:`csv_cell` of a stored JSON text (or of nothing), made quickly: most hold quotes."""
+    if text is None:
+        return ""
+    if '"' in text or "," in text or "\n" in text or "\r" in text:
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+def csv_header() -> bytes:
+    """The first line of a CSV export: :data:`CSV_COLUMNS`."""
+    return (",".join(CSV_COLUMNS) + "\n").encode()
+
+
+def csv_lines(rows: Iterable[tuple[Any, ...]], redact: frozenset[str] = frozenset()) -> Iterator[str]:
+    """The CSV line of each row (without the header), cells in :data:`CSV_COLUMNS` order, each as
+    :func:`csv_cell` makes it: the same bytes from every store.
+
+    Every stored JSON text is checked (a cell of text that is not JSON would hide an altered
+    journal) unless the row carries a 17th column that is true: the store checked them already.
+    """
+    check_redact(redact)
+    redacted = csv_cell(_dumps(sorted(redact)).decode())
+    hide_arguments, hide_value = "arguments" in redact, "value" in redact
+    sha256, needs_quotes = _sha256, _NEEDS_QUOTES
+    for row in rows:
+        if len(row) < 17 or not row[16]:
+            for index, name in ((7, "arguments"), (8, "value"), (9, "error"), (10, "reason"), (13, "owner")):
+                _json(row, index, name)
+        seq, at, call_id, kind, tool, agent_id, key, arguments, value, error, reason, actor, attempt, owner = row[:14]
+        prev_hash, digest = row[14], row[15]
+        call_id, agent_id, key = call_id or "", agent_id or "", key or ""
+        try:
+            plain = at + call_id + kind + tool + agent_id + key + actor + prev_hash + digest
+        except TypeError:
+            plain = ","  # a column of an altered row that is not text: the cell by cell way
+        if type(seq) is not int or type(attempt) is not int or not needs_quotes.isdisjoint(plain):
+            yield ",".join([csv_cell(c) for c in next(csv_cells([row[:16]], redact))]) + "\n"
+            continue
+        yield (
+            f"{seq},{at},{call_id},{kind},{tool},{agent_id},{key},"
+            f"{'' if hide_arguments else _json_cell(arguments)},"
+            f"{'' if arguments is None else sha256(arguments.encode()).hexdigest()},"
+            f"{'' if hide_value else _json_cell(value)},"
+            f"{'' if value is None else sha256(value.encode()).hexdigest()},"
+            f"{_json_cell(error)},{_json_cell(reason)},{actor},{attempt},{_json_cell(owner)},{prev_hash},{digest},"
+            f"{redacted}\n"
+        )
 
 
 def row_hash(row: tuple[Any, ...]) -> str:

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from .events import JournalEvent
-from .export import jsonl_lines
+from .export import csv_header, csv_lines, jsonl_lines
 from .rows import event_from_row
 
 __all__ = ["LogReads"]
@@ -76,3 +76,26 @@ class LogReads:
                 batch = []
         if batch:
             yield b"".join(batch), len(batch)
+
+    def export_csv(
+        self,
+        *,
+        redact: frozenset[str] = frozenset(),
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> Iterator[tuple[bytes, int]]:
+        """The CSV export of the filtered events, its header first, in batches: (the lines, how many
+        events). Columns as :data:`journal.export.CSV_COLUMNS`; cells as :func:`journal.export.csv_cell`."""
+        yield csv_header(), 0
+        batch: list[str] = []
+        rows = self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until)
+        for line in csv_lines(rows, redact):
+            batch.append(line)
+            if len(batch) >= _LINES_A_BATCH:
+                yield "".join(batch).encode(), len(batch)
+                batch = []
+        if batch:
+            yield "".join(batch).encode(), len(batch)

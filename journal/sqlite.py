@@ -36,7 +36,7 @@ from .errors import (
     StoreBusy,
 )
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
-from .export import check_redact, jsonl_lines, row_hash
+from .export import check_redact, csv_header, csv_lines, jsonl_lines, row_hash
 from .projection import fold_into, fold_row, record_row
 from .reading import LogReads
 from .rows import event_from_row, json_text, operator_event, record_from_row
@@ -661,6 +661,44 @@ class SQLiteJournal(LogReads):
                 # json() refused a stored text: the row path names the event and the field.
                 for row in self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until):
                     next(jsonl_lines([row], redact))
+            raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                snapshot.close()
+
+    def export_csv(
+        self,
+        *,
+        redact: frozenset[str] = frozenset(),
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> Iterator[tuple[bytes, int]]:
+        """The CSV export of the filtered events, its header first, in batches: (the lines, how many
+        events), byte for byte what :meth:`LogReads.export_csv` writes.
+
+        SQLite checks every stored JSON text (``json_valid``), on one read transaction streamed in
+        batches. A stored text that is not JSON raises :class:`JournalError` naming the event.
+        """
+        check_redact(redact)
+        where, params = _event_filter(call_id, tool, agent_id, since, until, 0)
+        checked = " AND ".join(f"({c} IS NULL OR json_valid({c}))" for c in ("arguments", "value", "error", "reason",
+                                                                             "owner"))
+        sql = f"SELECT {_EVENT_COLUMNS}, {checked} FROM events WHERE {where} ORDER BY seq"
+        with self._lock:
+            self._connection()
+        snapshot = self._connect(schema.readonly_uri(self.path), uri=True)
+        try:
+            cursor = self._retry(snapshot, lambda: (snapshot.execute("BEGIN"), snapshot.execute(sql, params))[1])
+            yield csv_header(), 0
+            while True:
+                rows = cursor.fetchmany(_BATCH)
+                if not rows:
+                    return
+                yield "".join(csv_lines(rows, redact)).encode(), len(rows)
+        except sqlite3.Error as e:
             raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
         finally:
             with contextlib.suppress(sqlite3.Error):

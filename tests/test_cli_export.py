@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from cli.export import CSV_COLUMNS
+from journal.export import CSV_COLUMNS
 from tests.cli_support import count_events, digest, invoke, rows, run_airlock, run_on_terminal, seed
 
 SECTION_3_FIELDS = {
