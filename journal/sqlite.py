@@ -789,9 +789,12 @@ class SQLiteJournal(LogReads):
         """True when every part of the events up to ``head`` checks out (part 0 in this process)."""
         children = [sqlite_verify.start_part(self.path, part, parts, head) for part in range(1, parts)]
         try:
+            started = time.monotonic()
             if None in children or not sqlite_verify.check_part(self.path, 0, parts, head):
                 return False
-            return all(sqlite_verify.child_said_ok(child) is True for child in children if child is not None)
+            # The parts are of one size: a child far slower than this process's part is stuck.
+            patience = sqlite_verify.PATIENCE + 3 * (time.monotonic() - started)
+            return all(sqlite_verify.child_said_ok(child, patience) is True for child in children if child is not None)
         finally:
             for child in children:
                 if child is not None and child.poll() is None:

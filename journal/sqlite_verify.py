@@ -28,10 +28,12 @@ from .chain import GENESIS
 from .export import row_hash
 from .projection import fold_row, record_row
 
-__all__ = ["PARALLEL_FROM", "check_part", "start_part"]
+__all__ = ["PARALLEL_FROM", "PATIENCE", "check_part", "child_said_ok", "start_part"]
 
 # Below this many events one pass is quicker than starting another interpreter.
 PARALLEL_FROM = 200_000
+# How long a child may take beyond three times this process's own part before it is given up.
+PATIENCE = 60.0
 
 _EVENT_COLUMNS = ("seq, at, call_id, kind, tool, agent_id, idempotency_key, arguments, value, error, reason, "
                   "actor, attempt, owner, prev_hash, hash")
@@ -117,7 +119,10 @@ def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -
 
 
 def start_part(path: Path, part: int, parts: int, head: int) -> subprocess.Popen[bytes] | None:
-    """Start a child checking one part; None when no child can be started (the caller does it)."""
+    """Start a child checking one part; None when no child can be started (the caller does it),
+    or when this interpreter is not a ``python`` program (embedded in another one, say)."""
+    if not os.path.basename(sys.executable or "").lower().startswith(("python", "pypy")):
+        return None
     package_root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -130,9 +135,15 @@ def start_part(path: Path, part: int, parts: int, head: int) -> subprocess.Popen
         return None
 
 
-def child_said_ok(child: subprocess.Popen[bytes]) -> bool | None:
-    """What a child said: True or False; None when it said nothing readable (it failed)."""
-    out, _ = child.communicate()
+def child_said_ok(child: subprocess.Popen[bytes], timeout: float) -> bool | None:
+    """What a child said: True or False; None when it said nothing readable within ``timeout``
+    seconds (it failed, or hangs: it is then killed)."""
+    try:
+        out, _ = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        return None
     if child.returncode != 0:
         return None
     try:

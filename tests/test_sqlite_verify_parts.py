@@ -9,6 +9,7 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,30 @@ def test_a_part_runs_as_a_command(journal: SQLiteJournal) -> None:
 def test_parts_must_be_a_positive_number(journal: SQLiteJournal, parts: Any) -> None:
     with pytest.raises(ValueError, match="parts"):
         journal.verify(parts=parts)
+
+
+def test_an_interpreter_that_is_not_python_checks_in_one_pass(
+    journal: SQLiteJournal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    intact = journal.verify(parts=1)
+    monkeypatch.setattr(sqlite_verify.sys, "executable", "/usr/sbin/some-server")  # embedded Python
+    assert sqlite_verify.start_part(journal.path, 1, 2, journal.head()[0]) is None
+    assert journal.verify(parts=2) == intact
+
+
+def test_a_child_that_hangs_is_killed_and_the_journal_checked_in_one_pass(
+    journal: SQLiteJournal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def hanging(*args: Any) -> subprocess.Popen[bytes]:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE)
+        started.append(child)
+        return child
+
+    monkeypatch.setattr(sqlite_verify, "start_part", hanging)
+    monkeypatch.setattr(sqlite_verify, "PATIENCE", 0.5)
+    begun = time.monotonic()
+    assert journal.verify(parts=2) == journal.verify(parts=1)
+    assert time.monotonic() - begun < 30
+    assert started and all(child.poll() is not None for child in started)  # none is left running
