@@ -451,7 +451,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--calls", type=int, default=100, help="calls a round, and replays a round")
     parser.add_argument("--sync-calls", type=int, default=6, help="fresh calls a round where each fsyncs")
-    parser.add_argument("--warmup", type=int, default=500, help="fresh calls each system makes before the rounds")
+    # 1500: enough for every WAL here to have been checkpointed and begun again from its start,
+    # the floors' included (one page a transaction, checkpointed every 1000 pages). A WAL that is
+    # still growing makes each fsync record the file's new size too, which costs it about double.
+    parser.add_argument("--warmup", type=int, default=1500, help="fresh calls each system makes before the rounds")
     parser.add_argument("--pg", default=None, help=f"a PostgreSQL DSN, or 'auto' (default: ${_PG_ENV})")
     parser.add_argument("--threads", type=int, default=8, help="threads for the durable throughput")
     parser.add_argument("--throughput-calls", type=int, default=96, help="fresh calls a round, for throughput")

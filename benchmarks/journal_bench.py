@@ -4,7 +4,7 @@ Prints, for durability "full" and "process": a guarded call with a fresh tool ca
 replay, each against the floor measured in the same run on a file in the same directory (one raw
 BEGIN IMMEDIATE; INSERT; COMMIT at the same synchronous level), with the ratios and the targets.
 
-    python benchmarks/journal_bench.py [--dir DIR] [--calls N] [--rounds R]
+    python benchmarks/journal_bench.py [--dir DIR] [--calls N] [--rounds R] [--warmup W]
 """
 
 from __future__ import annotations
@@ -114,12 +114,16 @@ def threaded_calls(directory: Path, shared: bool, threads: int = 8) -> Callable[
     return run
 
 
-def measure(runs: dict[str, Callable[[int], float]], calls: dict[str, int], rounds: int) -> dict[str, float]:
+def measure(runs: dict[str, Callable[[int], float]], calls: dict[str, int], rounds: int,
+            warmup: int) -> dict[str, float]:
     """The median per-call time of each run, the runs interleaved round by round so that noise
     from other work on the machine falls on all of them alike."""
     samples: dict[str, list[float]] = {name: [] for name in runs}
-    for name, run in runs.items():
-        run(max(1, calls[name] // 10))  # warm up caches and the WAL
+    for run in runs.values():
+        # Warm up the caches, and grow each WAL to the size it cycles at in a process that has been
+        # running: after a checkpoint SQLite writes the WAL again from its start, and an fsync then
+        # has no file size to record, where a WAL still growing makes every fsync record one.
+        run(warmup)
     for _ in range(rounds):
         for name, run in runs.items():
             samples[name].append(run(calls[name]))
@@ -131,6 +135,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the files go (a real disk; default: a temp dir)")
     parser.add_argument("--calls", type=int, default=400, help="calls per round for the unsynced runs")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1500, help="calls each run makes before it is timed")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=options.dir, prefix="journal-bench-") as tmp:
         d = Path(tmp)
@@ -146,8 +151,9 @@ def main() -> None:
             "threads each": threaded_calls(d, shared=False),
         }
         synced = {"floor FULL", "fresh full"}
-        t = measure(runs, {name: n_sync if name in synced else n for name in runs}, options.rounds)
-    print(f"files in {options.dir or tempfile.gettempdir()}; median of {options.rounds} rounds")
+        t = measure(runs, {name: n_sync if name in synced else n for name in runs}, options.rounds, options.warmup)
+    print(f"files in {options.dir or tempfile.gettempdir()}; median of {options.rounds} rounds, "
+          f"after {options.warmup} calls of each run")
     print(f"{'':34}{'per call':>12}{'ratio':>9}{'target':>9}")
     rows = [
         ("floor: raw txn, synchronous=FULL", "floor FULL", None, None),
