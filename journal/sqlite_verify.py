@@ -94,8 +94,12 @@ def _log_ok(conn: sqlite3.Connection, lo: int, hi: int, part: int, parts: int) -
 
 
 def _projection_ok(conn: sqlite3.Connection, folded: dict[str, CallRecord], part: int, parts: int) -> bool:
-    """The calls of this share, folded from the log, are exactly their stored projection rows."""
-    for row in conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls WHERE {_share(parts)} = ?", (part,)):
+    """The calls of this share, folded from the log, are exactly their stored projection rows
+    (part 0 also takes any row without a call id, which only an altered journal has)."""
+    share = _share(parts)
+    for row in conn.execute(
+        f"SELECT {_CALL_COLUMNS} FROM calls WHERE {share} = :part OR (:part = 0 AND {share} IS NULL)", {"part": part}
+    ):
         record = folded.pop(row[0], None)
         if record is None or record_row(record) != row:
             return False

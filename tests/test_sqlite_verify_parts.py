@@ -84,10 +84,13 @@ def _tampers(head: int) -> list[str]:
         "DELETE FROM calls WHERE call_id = 'call_0017'",
         "INSERT INTO calls SELECT 'ghost', tool, status, attempt, agent_id, idempotency_key, arguments, value, "
         "error, reason, actor, owner, created_at, updated_at, since, last_seq FROM calls LIMIT 1",
+        "INSERT INTO calls SELECT NULL, tool, status, attempt, agent_id, idempotency_key, arguments, value, "
+        "error, reason, actor, owner, created_at, updated_at, since, last_seq FROM calls LIMIT 1",
+        "UPDATE calls SET call_id = 17 WHERE call_id = 'call_0017'",
     ]
 
 
-@pytest.mark.parametrize("index", range(13))
+@pytest.mark.parametrize("index", range(15))
 def test_a_tampered_journal_gets_the_one_pass_report(journal: SQLiteJournal, index: int) -> None:
     tamper = _tampers(journal.head()[0])[index]
     conn = raw(journal)
