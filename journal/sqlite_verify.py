@@ -71,6 +71,8 @@ def _log_ok(conn: sqlite3.Connection, lo: int, hi: int, part: int, parts: int) -
                 return None
             prev = link[0]
         else:
+            if conn.execute("SELECT 1 FROM events WHERE seq < 1 LIMIT 1").fetchone() is not None:
+                return None  # an event before the first (seq starts at 1)
             prev = GENESIS
         expected = lo
         for row in conn.execute(

@@ -87,10 +87,14 @@ def _tampers(head: int) -> list[str]:
         "INSERT INTO calls SELECT NULL, tool, status, attempt, agent_id, idempotency_key, arguments, value, "
         "error, reason, actor, owner, created_at, updated_at, since, last_seq FROM calls LIMIT 1",
         "UPDATE calls SET call_id = 17 WHERE call_id = 'call_0017'",
+        "INSERT INTO events SELECT -1, at, call_id, kind, tool, agent_id, idempotency_key, arguments, value, error, "
+        "reason, actor, attempt, owner, prev_hash, hash FROM events WHERE seq = 1",
+        "INSERT INTO events SELECT 0, at, NULL, 'refused', tool, agent_id, idempotency_key, arguments, value, error, "
+        "reason, actor, attempt, owner, prev_hash, hash FROM events WHERE seq = 1",
     ]
 
 
-@pytest.mark.parametrize("index", range(15))
+@pytest.mark.parametrize("index", range(17))
 def test_a_tampered_journal_gets_the_one_pass_report(journal: SQLiteJournal, index: int) -> None:
     tamper = _tampers(journal.head()[0])[index]
     conn = raw(journal)
