@@ -89,13 +89,16 @@ class LogReads:
     ) -> Iterator[tuple[bytes, int]]:
         """The CSV export of the filtered events, its header first, in batches: (the lines, how many
         events). Columns as :data:`journal.export.CSV_COLUMNS`; cells as :func:`journal.export.csv_cell`."""
-        yield csv_header(), 0
+        header = csv_header()  # written with the first lines, so that an export that fails at once writes nothing
         batch: list[str] = []
         rows = self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until)
         for line in csv_lines(rows, redact):
             batch.append(line)
             if len(batch) >= _LINES_A_BATCH:
-                yield "".join(batch).encode(), len(batch)
+                chunk = "".join(batch).encode()
+                if header:
+                    chunk, header = header + chunk, b""
+                yield chunk, len(batch)
                 batch = []
-        if batch:
-            yield "".join(batch).encode(), len(batch)
+        if batch or header:
+            yield header + "".join(batch).encode(), len(batch)

@@ -631,17 +631,11 @@ class SQLiteJournal(LogReads):
             f"'prev_hash', prev_hash, 'hash', hash, 'redacted', json('{redacted}')), arguments, value "
             f"FROM events WHERE {where} ORDER BY seq"
         )
-        with self._lock:
-            self._connection()
-        # One read transaction on a connection of its own: a consistent snapshot, streamed.
-        snapshot = self._connect(schema.readonly_uri(self.path), uri=True)
         sha256 = hashlib.sha256
+        parts: list[str] = []
+        size = count = 0
         try:
-            cursor = self._retry(snapshot, lambda: (snapshot.execute("BEGIN"), snapshot.execute(sql, params))[1])
-            parts: list[str] = []
-            size = count = 0
-            while True:
-                rows = cursor.fetchmany(100)
+            for rows in self._snapshot_rows(sql, params, 100):
                 for _, line, arguments, value in rows:
                     parts.append(line[:-1])
                     parts.append(',"arguments_sha256":null' if arguments is None
@@ -651,17 +645,28 @@ class SQLiteJournal(LogReads):
                     size += len(line)
                 count += len(rows)
                 # Bounded by bytes, not events: an event may hold a megabyte of arguments.
-                if count and (size >= _EXPORT_BYTES or not rows):
+                if size >= _EXPORT_BYTES:
                     yield "".join(parts).encode(), count
                     parts, size, count = [], 0, 0
-                if not rows:
-                    return
         except sqlite3.Error as e:
             if "JSON" in str(e):
                 # json() refused a stored text: the row path names the event and the field.
                 for row in self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until):
                     next(jsonl_lines([row], redact))
             raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
+        if count:
+            yield "".join(parts).encode(), count
+
+    def _snapshot_rows(self, sql: str, params: Any, batch: int) -> Iterator[list[tuple[Any, ...]]]:
+        """The rows of ``sql``, ``batch`` at a time, on one read transaction of a connection of its
+        own: a consistent snapshot, streamed, that writers do not wait for. Raises sqlite3.Error."""
+        with self._lock:
+            self._connection()
+        snapshot = self._connect(schema.readonly_uri(self.path), uri=True)
+        try:
+            cursor = self._retry(snapshot, lambda: (snapshot.execute("BEGIN"), snapshot.execute(sql, params))[1])
+            while rows := cursor.fetchmany(batch):
+                yield rows
         finally:
             with contextlib.suppress(sqlite3.Error):
                 snapshot.close()
@@ -687,22 +692,17 @@ class SQLiteJournal(LogReads):
         checked = " AND ".join(f"({c} IS NULL OR json_valid({c}))" for c in ("arguments", "value", "error", "reason",
                                                                              "owner"))
         sql = f"SELECT {_EVENT_COLUMNS}, {checked} FROM events WHERE {where} ORDER BY seq"
-        with self._lock:
-            self._connection()
-        snapshot = self._connect(schema.readonly_uri(self.path), uri=True)
+        header = csv_header()  # written with the first lines, so that an export that fails at once writes nothing
         try:
-            cursor = self._retry(snapshot, lambda: (snapshot.execute("BEGIN"), snapshot.execute(sql, params))[1])
-            yield csv_header(), 0
-            while True:
-                rows = cursor.fetchmany(_BATCH)
-                if not rows:
-                    return
-                yield "".join(csv_lines(rows, redact)).encode(), len(rows)
+            for rows in self._snapshot_rows(sql, params, _BATCH):
+                chunk = "".join(csv_lines(rows, redact)).encode()
+                if header:
+                    chunk, header = header + chunk, b""
+                yield chunk, len(rows)
         except sqlite3.Error as e:
             raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
-        finally:
-            with contextlib.suppress(sqlite3.Error):
-                snapshot.close()
+        if header:
+            yield header, 0
 
     def count_events(
         self,
