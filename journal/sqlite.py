@@ -101,6 +101,17 @@ class _Request:
         self.ticket = 0
 
 
+class _StepFailed(Exception):
+    """A write of a batch raised (its ``__cause__``): the batch is undone and made write by write."""
+
+
+def _step_of(request: _Request, conn: sqlite3.Connection) -> Any:
+    try:
+        return request.step(conn)
+    except Exception as e:
+        raise _StepFailed() from e
+
+
 def _busy(e: sqlite3.Error) -> bool:
     return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
 
@@ -399,9 +410,13 @@ class SQLiteJournal(LogReads):
         try:
             if len(batch) > 1:
                 try:
-                    results = self._transaction(conn, _NORMAL, lambda c: [r.step(c) for r in batch])
-                except Exception:
+                    results = self._transaction(conn, _NORMAL, lambda c: [_step_of(r, c) for r in batch])
+                except _StepFailed:
                     pass  # one of them failed, and all were undone: each is made again alone, to fail alone
+                except Exception as e:  # the journal's own failure (busy past the deadline, say): the batch's
+                    for request in batch:
+                        request.error, request.done = e, True
+                    return
                 else:
                     self._written += 1
                     for request, result in zip(batch, results, strict=True):

@@ -128,3 +128,26 @@ def test_many_threads_on_one_journal_run_each_tool_once(journal: SQLiteJournal) 
         assert r == {"charged": 5} or (is_refusal(r) and r["block_reason"] == "effect_status_unknown")
     assert all(getattr(journal.get(i), "status", None) == "committed" for i in set(ids))
     assert journal.verify().ok
+
+
+def test_a_batch_that_waits_out_the_busy_deadline_fails_at_it_not_once_a_write(tmp_path: Path) -> None:
+    import sqlite3
+
+    from journal import StoreBusy
+
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process", busy_timeout=1.0)
+    other = sqlite3.connect(journal.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    try:
+        begun = time.monotonic()
+        outcomes = _queued(journal, [_begin(journal, f"c{i}") for i in range(4)])
+        waited = time.monotonic() - begun
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert all(isinstance(o, StoreBusy) for o in outcomes), outcomes
+    assert waited < 2.5  # one deadline for the batch, not one for each write in it
+    assert journal.head()[0] == 0
+    _begin(journal, "c9")()  # the lock is free again: writes go through
+    assert journal.head()[0] == 1
+    journal.close()
