@@ -151,3 +151,43 @@ def test_a_batch_that_waits_out_the_busy_deadline_fails_at_it_not_once_a_write(t
     _begin(journal, "c9")()  # the lock is free again: writes go through
     assert journal.head()[0] == 1
     journal.close()
+
+
+def test_a_child_forked_while_writes_wait_never_makes_the_parents_writes(tmp_path: Path) -> None:
+    import os
+
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process")
+    _begin(journal, "first")()  # the parent's connection is open before the fork
+    outcomes: list[BaseException | None] = [None] * 3
+
+    def run(i: int) -> None:
+        try:
+            _begin(journal, f"parent-{i}")()
+        except BaseException as e:
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    with journal._lock:  # the parent's threads queue their writes and wait
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(journal._requests) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(journal._requests) == 3
+        pid = os.fork()
+        if pid == 0:  # the child: its copy of the queue holds the parent's writes
+            code = 1
+            try:
+                _begin(journal, "child")()
+                code = 0
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    for t in threads:
+        t.join(10)
+    assert outcomes == [None, None, None]
+    ids = [e.call_id for e in journal.events()]
+    assert sorted(str(i) for i in ids) == ["child", "first", "parent-0", "parent-1", "parent-2"]  # each once
+    assert journal.verify().ok
+    journal.close()
