@@ -262,17 +262,24 @@ def timed(call: Callable[[str], Any], ids: list[str]) -> list[int]:
     return out
 
 
-def measure(systems: list[System], rounds: int, calls: int, sync_calls: int, warmup: int, run_id: str) -> None:
+def _call_id() -> str:
+    """A fresh tool call id as models make them: random, so that consecutive calls land on
+    unrelated pages of every store's index, as they do in use (ids that count up would keep
+    writing the same few pages)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def measure(systems: list[System], rounds: int, calls: int, sync_calls: int, warmup: int) -> None:
     # Warm up: caches, prepared statements, and the WAL grown to the size it cycles at in a process
     # that has been running (after a checkpoint SQLite writes it over again from the start).
     for system in systems:
-        ids = [f"{run_id}-warm-{i}" for i in range(warmup)]
+        ids = [_call_id() for _ in range(warmup)]
         system.run(lambda s=system, ids=ids: timed(s.call, ids))
     for r in range(rounds):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for system in order:
             n = sync_calls if system.synced else calls
-            ids = [f"{run_id}-r{r}-{i}" for i in range(n)]
+            ids = [_call_id() for _ in range(n)]
             gc.collect()
             system.fresh += system.run(lambda s=system, ids=ids: timed(s.call, ids))
             if system.replays:
@@ -284,13 +291,13 @@ def measure(systems: list[System], rounds: int, calls: int, sync_calls: int, war
 class Throughput:
     """Fresh guarded calls at durability="full" from ``threads`` threads sharing one SQLiteJournal."""
 
-    def __init__(self, path: Path, threads: int, run_id: str) -> None:
+    def __init__(self, path: Path, threads: int) -> None:
         self.threads = threads
         self.ran = [0]
         self.lock = threading.Lock()
         self.journal = SQLiteJournal(path, durability="full")
         self.tool = Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=self.journal)))(self.counted())
-        self.ids = (f"{run_id}-t{threads}-{i}" for i in itertools.count())
+        self.ids = (_call_id() for _ in itertools.count())
         self.rates: list[float] = []
 
     def counted(self) -> Callable[[str, int], dict[str, Any]]:
@@ -497,9 +504,9 @@ def main() -> None:
                 raise Misconfigured("airlock-sdk", f"its default is {systems['sdk-normal'].durability}, not NORMAL")
             for system in systems.values():
                 check(system, run_id)
-            measure(list(systems.values()), options.rounds, options.calls, options.sync_calls, options.warmup, run_id)
-            single = Throughput(d / "throughput-1.db", 1, run_id)
-            many = Throughput(d / f"throughput-{options.threads}.db", options.threads, run_id)
+            measure(list(systems.values()), options.rounds, options.calls, options.sync_calls, options.warmup)
+            single = Throughput(d / "throughput-1.db", 1)
+            many = Throughput(d / f"throughput-{options.threads}.db", options.threads)
             for r in range(options.rounds):
                 for runner in (single, many) if r % 2 == 0 else (many, single):
                     runner.run(options.throughput_calls // (4 if runner is single else 1))

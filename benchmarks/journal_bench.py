@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ def guarded_calls(path: Path, durability: str, replay: bool) -> Callable[[int], 
                 call_id = "replayed-call"
             else:
                 counter[0] += 1
-                call_id = f"call-{counter[0]}"
+                call_id = f"call_{uuid.uuid4().hex[:24]}"  # random, as models make them
             with AirlockContext(agent_id="agent-1", metadata={"tool_call_id": call_id}):
                 charge("acct-1", 500)
         return (time.perf_counter() - start) / n

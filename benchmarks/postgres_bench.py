@@ -108,7 +108,7 @@ def guarded(journal: PostgresJournal, replay: bool) -> Callable[[int], float]:
         start = time.perf_counter()
         for _ in range(n):
             counter[0] += 1
-            call_id = f"{prefix}-replayed" if replay else f"{prefix}-{counter[0]}"
+            call_id = f"{prefix}-replayed" if replay else f"call_{uuid.uuid4().hex[:24]}"  # random, as models make them
             with AirlockContext(agent_id="agent-1", metadata={"tool_call_id": call_id}):
                 charge("acct-1", 500)
         return (time.perf_counter() - start) / n
