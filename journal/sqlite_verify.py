@@ -27,6 +27,7 @@ from . import schema
 from .chain import GENESIS
 from .export import row_hash
 from .projection import fold_row, record_row
+from .rows import CALL_COLUMNS, EVENT_COLUMNS
 
 __all__ = ["PARALLEL_FROM", "PATIENCE", "check_part", "child_said_ok", "start_part"]
 
@@ -35,10 +36,8 @@ PARALLEL_FROM = 200_000
 # How long a child may take beyond three times this process's own part before it is given up.
 PATIENCE = 60.0
 
-_EVENT_COLUMNS = ("seq, at, call_id, kind, tool, agent_id, idempotency_key, arguments, value, error, reason, "
-                  "actor, attempt, owner, prev_hash, hash")
-_CALL_COLUMNS = ("call_id, tool, status, attempt, agent_id, idempotency_key, arguments, value, error, reason, "
-                 "actor, owner, created_at, updated_at, since, last_seq")
+_EVENT_COLUMNS = ", ".join(EVENT_COLUMNS)
+_CALL_COLUMNS = ", ".join(CALL_COLUMNS)
 
 
 def _share(parts: int) -> str:
