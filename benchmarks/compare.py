@@ -466,6 +466,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8, help="threads for the durable throughput")
     parser.add_argument("--throughput-calls", type=int, default=96, help="fresh calls a round, for throughput")
     options = parser.parse_args()
+    if not options.dir.is_dir():
+        raise SystemExit(f"compare.py: --dir {options.dir} is not a directory")
     kind, device = filesystem(options.dir)
     if kind in ("tmpfs", "ramfs"):
         raise SystemExit(f"compare.py: {options.dir} is on {kind}: fsync would cost nothing; give --dir on a disk")

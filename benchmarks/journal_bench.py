@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1500, help="calls each run makes before it is timed")
     options = parser.parse_args()
+    if options.dir is not None and not options.dir.is_dir():
+        raise SystemExit(f"journal_bench.py: --dir {options.dir} is not a directory")
     with tempfile.TemporaryDirectory(dir=options.dir, prefix="journal-bench-") as tmp:
         d = Path(tmp)
         n, n_sync = options.calls, max(20, options.calls // 10)
