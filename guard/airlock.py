@@ -255,7 +255,7 @@ class _Call:
         if (
             isinstance(response, OversightResponse)
             and response.request_id == request.request_id
-            and response.verdict == OversightVerdict.GRANT
+            and response.verdict is OversightVerdict.GRANT
         ):
             who = response.approver or "an approver"
             self.approval = {"code": "approved", "message": f"approved by {who} (request {request.request_id})"}
@@ -264,6 +264,8 @@ class _Call:
             verdict = "invalid_response"
         elif response.request_id != request.request_id:
             verdict = "response_for_another_request"
+        elif not isinstance(response.verdict, OversightVerdict):
+            verdict = "invalid_verdict"  # "grant" as a bare string is not a grant
         else:
             verdict = str(response.verdict)
         return self.refuse(

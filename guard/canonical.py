@@ -160,6 +160,14 @@ class Binder:
             if name == self._var_positional:
                 bound[name] = list(value)
             elif name == self._var_keyword:
+                clash = value.keys() & bound.keys()
+                if clash:
+                    # Merged by name, these would overwrite another parameter: two different
+                    # calls would share one key, and the approver would see what the tool does not get.
+                    raise TypeError(
+                        f"the keyword argument {min(clash)!r} has the name of another parameter, so the "
+                        "call's arguments cannot be told apart by name"
+                    )
                 passed.discard(name)
                 passed.update(value)
                 bound.update(value)

@@ -68,8 +68,11 @@ class SecurityPolicy:
         """The reason an ``escalate_tools`` entry gives for ``tool``, or None when none matches."""
         if not self.escalate_tools:
             return None
+        exact = self.escalate_tools.get(tool)
+        if exact is not None:
+            return exact  # the tool's own entry wins over any glob that matches it too
         for pattern, reason in self.escalate_tools.items():
-            if tool == pattern or fnmatchcase(tool, pattern):
+            if fnmatchcase(tool, pattern):
                 return reason
         return None
 

@@ -250,7 +250,7 @@ def test_values_are_json_and_a_replay_reads_exactly_as_the_first_call() -> None:
     assert [e.kind for e in store.events("c-receipt-1")] == ["pending", "committed", "replayed"]
 
 
-def test_a_value_with_no_json_form_is_its_str_and_cannot_be_replayed() -> None:
+def test_a_value_with_no_json_form_is_the_json_string_of_its_str_and_cannot_be_replayed() -> None:
     store = InMemoryEffectStore()
 
     @guarded(store)
@@ -258,7 +258,8 @@ def test_a_value_with_no_json_form_is_its_str_and_cannot_be_replayed() -> None:
         return Opaque()
 
     first = anthropic.dispatch(use("toolu_6", "handle", {}), [handle])
-    assert first == {"type": "tool_result", "tool_use_id": "toolu_6", "content": "<opaque 42>", "is_error": False}
+    assert first == {"type": "tool_result", "tool_use_id": "toolu_6", "content": '"<opaque 42>"', "is_error": False}
+    assert json.loads(first["content"]) == "<opaque 42>"  # the text is JSON, whatever the value
     again = anthropic.dispatch(use("toolu_6", "handle", {}), [handle])
     assert again["is_error"] is True
     assert json.loads(again["content"])["block_reason"] == "replay_value_unavailable"

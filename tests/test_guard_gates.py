@@ -339,13 +339,31 @@ def test_approver_exception_and_foreign_response_refuse() -> None:
     def not_a_response(request: OversightRequest) -> Any:
         return True
 
-    for approver in (broken, other_request, not_a_response):
+    def bare_string(request: OversightRequest) -> OversightResponse:
+        return OversightResponse(request_id=request.request_id, verdict="grant")  # type: ignore[arg-type]
+
+    for approver in (broken, other_request, not_a_response, bare_string):
 
         @Airlock(policy=SecurityPolicy(escalate_tools={"refund": "why"}, approver=approver))
         def refund(order: str) -> str:
             return "refunded"
 
         assert refund("o1")["block_reason"] == "escalation_denied", approver
+
+
+def test_the_tools_own_escalation_entry_gives_the_reason_over_a_glob() -> None:
+    approvals = Approvals()
+
+    @Airlock(policy=SecurityPolicy(escalate_tools={"*": "every tool", "refund": "money leaves"}, approver=approvals))
+    def refund(order: str) -> str:
+        return "refunded"
+
+    @Airlock(policy=SecurityPolicy(escalate_tools={"*": "every tool", "refund": "money leaves"}, approver=approvals))
+    def ship(order: str) -> str:
+        return "shipped"
+
+    assert refund("o1") == "refunded" and ship("o1") == "shipped"
+    assert [r.reason for r in approvals.requests] == ["money leaves", "every tool"]
 
 
 def test_approver_is_optional_name() -> None:

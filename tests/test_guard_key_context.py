@@ -13,7 +13,7 @@ import orjson
 import pydantic
 import pytest
 
-from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context
+from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context, is_refusal
 from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key, reversibility
 
 
@@ -111,6 +111,34 @@ def test_var_args_and_kwargs_bind_by_name() -> None:
     assert record.idempotency_key == idempotency_key(
         "tag", {"item": "i", "labels": ["x", "y"], "size": 1, "weight": 3}
     )
+
+
+def test_a_kwargs_entry_named_like_another_parameter_cannot_be_keyed() -> None:
+    # Merged by name it would overwrite the other parameter: f(1, a=2) and f(2, a=2) would share a key.
+    store = InMemoryEffectStore()
+    ran: list[Any] = []
+
+    def first(a: int, /, **kw: int) -> str:
+        ran.append((a, kw))
+        return "ok"
+
+    def tagged(a: int, *rest: int, **extra: Any) -> str:
+        ran.append((a, rest, extra))
+        return "ok"
+
+    tool, other = _guarded(store, first), _guarded(store, tagged)
+    with AirlockContext(metadata={"tool_call_id": "clash-1"}):
+        refusal = tool(1, a=2)
+    assert is_refusal(refusal) and refusal["block_reason"] == "arguments_not_canonical"
+    with AirlockContext(metadata={"tool_call_id": "clash-2"}):
+        refusal = other(1, rest=[5])
+    assert is_refusal(refusal) and refusal["block_reason"] == "arguments_not_canonical"
+    assert ran == [] and store.get("clash-1") is None and store.get("clash-2") is None
+    with AirlockContext(metadata={"tool_call_id": "clash-3"}):
+        assert tool(1, b=2) == "ok"
+    with AirlockContext(metadata={"tool_call_id": "clash-4"}):
+        assert other(1, 5, size=3) == "ok"
+    assert ran == [(1, {"b": 2}), (1, (5,), {"size": 3})]
 
 
 def test_wrong_arguments_are_refused_when_the_key_is_needed() -> None:

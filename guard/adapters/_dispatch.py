@@ -106,9 +106,10 @@ def tool_table(tools: Tools) -> dict[str, _Guarded]:
 
 
 def _text(value: Any) -> str:
-    """The tool's value as the model reads it: its JSON form (the form a replay returns), else str()."""
+    """The tool's value as the model reads it: its JSON form (the form a replay returns); a value
+    that has none is sent as the JSON string of its ``str()``, so the text is always JSON."""
     text = to_json_value(value)
-    return text if text is not None else str(value)
+    return text if text is not None else orjson.dumps(str(value)).decode()
 
 
 def _refusal_text(refusal: Refusal) -> str:
