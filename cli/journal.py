@@ -158,6 +158,14 @@ def default_operator() -> str:
     return name or f"uid:{os.getuid()}"
 
 
+def _int_of_64_bits(text: str) -> int:
+    """An integer the journal stores exactly (orjson's range), else ValueError."""
+    number = int(text)
+    if not -(2**63) <= number < 2**64:
+        raise ValueError(text)
+    return number
+
+
 def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
@@ -165,10 +173,12 @@ def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) ->
         parsed = orjson.loads(value)
     except orjson.JSONDecodeError as e:
         raise click.BadParameter(f"{value!r} is not JSON ({e})", ctx, param) from e
-    if parsed != json.loads(value):
+    try:
+        json.loads(value, parse_int=_int_of_64_bits)
+    except ValueError:
         # orjson reads an integer beyond 64 bits as a float: the replay would return another number.
         raise click.BadParameter(f"{value!r} has a number that cannot be stored exactly (integers are "
-                                 "limited to 64 bits; send a large number as a string)", ctx, param)
+                                 "limited to 64 bits; send a large number as a string)", ctx, param) from None
     return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
 
 
@@ -248,9 +258,9 @@ def resolve(
 @click.option("--call", "call_id", help="Only the events of this call.")
 @click.option("--tool", help="Only events of this tool.")
 @click.option("--agent", "agent_id", help="Only events of this agent.")
-@click.option("--redact", type=FieldList(tuple(sorted(REDACTABLE))), default=None, metavar="FIELDS",
-              help="Comma-separated: arguments,value. Each becomes null and is named in 'redacted'; "
-                   "its sha256 stays, so the export still verifies.")
+@click.option("--redact", type=FieldList(tuple(sorted(REDACTABLE))), multiple=True, metavar="FIELDS",
+              help="Comma-separated, or the flag repeated: arguments,value. Each becomes null and is named "
+                   "in 'redacted'; its sha256 stays, so the export still verifies.")
 @db_option
 def export(
     fmt: str,
@@ -260,7 +270,7 @@ def export(
     call_id: str | None,
     tool: str | None,
     agent_id: str | None,
-    redact: frozenset[str] | None,
+    redact: tuple[frozenset[str], ...],
     db: str,
 ) -> None:
     """Export the audit trail, one event at a time, in seq order.
@@ -277,19 +287,19 @@ def export(
     \b
         airlock journal export --format csv --tool charge > charges.csv
     """
-    redact = redact or frozenset()
+    redacted = frozenset().union(*redact)  # every --redact given counts: none is dropped
     filters: dict[str, Any] = {"call_id": call_id, "tool": tool, "agent_id": agent_id, "since": since, "until": until}
     with open_journal(db, readonly=True, create=False) as j:
         if output is None:
             try:
                 with _quiet_broken_pipe():
                     out = _stdout()
-                    write_events(j, filters, out, fmt=fmt, redact=redact)
+                    write_events(j, filters, out, fmt=fmt, redact=redacted)
                     out.flush()
             except OSError as e:
                 raise click.ClickException(f"the export could not be written: {e.strerror or e}") from e
             return
-        written = _export_to_file(j, filters, output, fmt, redact)
+        written = _export_to_file(j, filters, output, fmt, redacted)
     click.echo(f"Exported {written} events to {output}", err=True)
 
 

@@ -16,7 +16,7 @@ import orjson
 
 from guard.canonical import canonical_bytes
 
-from .events import JournalEvent, VerifyReport, at_text, text_sha256
+from .events import REDACTABLE, JournalEvent, VerifyReport, at_text, text_sha256
 
 __all__ = ["GENESIS", "ChainCheck", "compute_hash", "event_body", "hash_of", "verify_lines"]
 
@@ -128,12 +128,24 @@ class ChainCheck:
         )
 
 
-def _line_digest(line: Mapping[str, Any], field: str, redacted: object) -> str | None:
-    """The digest the line claims for ``field``, checked against the field's value unless redacted."""
+def _redacted(line: Mapping[str, Any]) -> list[str]:
+    """The fields the line says were redacted: a list of redactable names (none when absent)."""
+    redacted = line.get("redacted", [])
+    if not isinstance(redacted, list) or not all(isinstance(f, str) and f in REDACTABLE for f in redacted):
+        raise ValueError(f"its redacted list {redacted!r} names no redactable fields "
+                         f"({', '.join(sorted(REDACTABLE))})")
+    return redacted
+
+
+def _line_digest(line: Mapping[str, Any], field: str, redacted: list[str]) -> str | None:
+    """The digest the line claims for ``field``, checked against the field's value unless redacted
+    (a redacted field must then be null: a value standing beside the claim could be anything)."""
     claimed = line[f"{field}_sha256"]
-    if isinstance(redacted, list) and field in redacted:
-        return claimed  # type: ignore[no-any-return]
     value = line[field]
+    if field in redacted:
+        if value is not None:
+            raise ValueError(f"its {field} is named redacted but is not null")
+        return claimed  # type: ignore[no-any-return]
     actual = None if value is None else hashlib.sha256(canonical_bytes(value)).hexdigest()
     if actual != claimed:
         raise ValueError(f"its {field} do not match {field}_sha256")
@@ -158,8 +170,8 @@ def verify_lines(lines: Iterable[Mapping[str, Any]], allow_gaps: bool = False) -
         if missing:
             check.fail(seq, f"seq {seq} lacks the fields {', '.join(missing)}")
             break
-        redacted = line.get("redacted", [])
         try:
+            redacted = _redacted(line)
             body = event_body(
                 seq=seq, at=line["at"], call_id=line["call_id"], kind=line["kind"], tool=line["tool"],
                 agent_id=line["agent_id"], idempotency_key=line["idempotency_key"],

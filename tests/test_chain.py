@@ -137,6 +137,31 @@ def test_an_altered_digest_of_a_redacted_field_is_found(journal: SQLiteJournal) 
     assert verify_lines(lines).first_bad_seq == 2
 
 
+@pytest.mark.parametrize(
+    ("field", "forged"),
+    [("value", {"id": "FORGED"}), ("arguments", {"account": "acct_eve", "cents": 999999})],
+)
+def test_a_value_beside_a_redaction_claim_is_found(journal: SQLiteJournal, field: str, forged: Any) -> None:
+    # Claiming a field redacted must not let a forged value stand beside the untouched digest.
+    fill(journal)
+    lines = exported(journal)
+    lines[1][field] = forged
+    lines[1]["redacted"] = [field]
+    report = verify_lines(lines)
+    assert (report.ok, report.first_bad_seq, report.events) == (False, 2, 1)
+    assert f"its {field} is named redacted but is not null" in str(report.problem)
+
+
+@pytest.mark.parametrize("redacted", [["value", "hash"], ["owner"], "value", [1], None])
+def test_a_redacted_list_that_names_no_redactable_field_is_found(journal: SQLiteJournal, redacted: Any) -> None:
+    fill(journal)
+    lines = exported(journal, frozenset({"value"}))
+    lines[1]["redacted"] = redacted
+    report = verify_lines(lines)
+    assert (report.ok, report.first_bad_seq) == (False, 2)
+    assert "redacted list" in str(report.problem)
+
+
 def test_a_rehashed_line_breaks_the_next_link(journal: SQLiteJournal) -> None:
     fill(journal)
     lines = exported(journal)

@@ -63,6 +63,17 @@ def test_redacted_fields_are_null_and_named_but_keep_their_digests(db: Path) -> 
         assert b["hash"] == a["hash"]
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_a_repeated_redact_flag_redacts_every_field_it_names(db: Path, fmt: str) -> None:
+    once = invoke("journal", "export", "--db", str(db), "--format", fmt, "--redact", "arguments,value")
+    repeated = invoke("journal", "export", "--db", str(db), "--format", fmt, "--redact", "arguments",
+                      "--redact", "value")
+    assert once.exit_code == repeated.exit_code == 0
+    assert repeated.stdout == once.stdout
+    if fmt == "jsonl":
+        assert all(line["arguments"] is None for line in map(orjson.loads, repeated.stdout.splitlines()))
+
+
 @pytest.mark.parametrize("value", ["secrets", "arguments,owner", ""])
 def test_redacting_an_unknown_field_is_a_usage_error(db: Path, value: str) -> None:
     result = invoke("journal", "export", "--db", str(db), "--redact", value)

@@ -112,6 +112,10 @@ def test_the_operator_falls_back_to_the_uid(monkeypatch: pytest.MonkeyPatch) -> 
         (["--not-applied", "--value", "1", "--reason", "x"], "--value goes with --applied only"),
         (["--applied", "--value", "{not json", "--reason", "x"], "is not JSON"),
         (["--applied", "--value", "", "--reason", "x"], "is not JSON"),
+        # 2**70 and 2**64: a float for orjson, even where it equals the integer; both would come back changed.
+        (["--applied", "--value", "1180591620717411303424", "--reason", "x"], "cannot be stored exactly"),
+        (["--applied", "--value", '{"n": [18446744073709551616]}', "--reason", "x"], "cannot be stored exactly"),
+        (["--applied", "--value", "-9223372036854775809", "--reason", "x"], "cannot be stored exactly"),
         (["--applied"], "Missing option '--reason'"),
         (["--applied", "--reason", "  "], "say why"),
         (["--applied", "--reason", "x", "--operator", " "], "name who settles the call"),
