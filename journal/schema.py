@@ -162,8 +162,19 @@ def inspect(path: Path, timeout: float = 5.0) -> FileKind:
         return FileKind("blank")
     if header != _HEADER:
         return FileKind("foreign", why="is not a SQLite database")
+    if not Path(f"{path}-wal").exists():
+        # No WAL beside it: the file holds everything, and reading it as immutable creates no -wal
+        # or -shm beside a file that may be refused. A file that cannot be read so (being written
+        # this very moment, say) is looked at again the ordinary way.
+        kind = _read(readonly_uri(path) + "&immutable=1", timeout)
+        if kind.kind != "foreign" or not kind.why.startswith("cannot be"):
+            return kind
+    return _read(readonly_uri(path), timeout)
+
+
+def _read(uri: str, timeout: float) -> FileKind:
     try:
-        conn = sqlite3.connect(readonly_uri(path), uri=True, timeout=timeout)
+        conn = sqlite3.connect(uri, uri=True, timeout=timeout)
     except sqlite3.Error as e:
         return FileKind("foreign", why=f"cannot be opened as a SQLite database ({e})")
     try:

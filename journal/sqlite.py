@@ -90,10 +90,11 @@ _SELECT_HEAD_AND_CALL = (
 class _Request:
     """One thread's write (``step``, run in a transaction at NORMAL), and what came of it."""
 
-    __slots__ = ("done", "error", "forks", "result", "step", "ticket")
+    __slots__ = ("deadline", "done", "error", "forks", "result", "step", "ticket")
 
-    def __init__(self, step: Callable[[sqlite3.Connection], Any]) -> None:
+    def __init__(self, step: Callable[[sqlite3.Connection], Any], deadline: float) -> None:
         self.step = step
+        self.deadline = deadline  # the busy deadline counts from when the thread asked, not from its turn
         self.forks = _FORKS[0]
         self.done = False
         self.result: Any = None
@@ -239,7 +240,7 @@ class SQLiteJournal(LogReads):
             except OSError as e:
                 raise JournalError(f"Cannot create the journal {path}: {e.strerror}.") from e
         # Inspect through a read-only connection first, so a foreign file is never written to.
-        self._check(self._inspect(), blank_ok=True)
+        kind = self._check(self._inspect(), blank_ok=True)
         conn = self._connect(str(path))
         try:
             self._retry(conn, lambda: conn.execute("PRAGMA journal_mode = WAL"))
@@ -249,7 +250,10 @@ class SQLiteJournal(LogReads):
             self._retry(conn, lambda: conn.execute(f"PRAGMA wal_autocheckpoint = {_CHECKPOINT_PAGES}"))
             self._retry(conn, lambda: conn.execute(f"PRAGMA journal_size_limit = {_WAL_KEEP}"))
             self._sync = None
-            self._transaction(conn, _NORMAL, self._initialise)
+            if kind.kind != "journal" or kind.version < schema.LATEST:
+                # Made or migrated under the write lock; a journal already at the latest version
+                # needs no write to open (nor the lock, which another process may be holding).
+                self._transaction(conn, _NORMAL, self._initialise)
         except BaseException:
             conn.close()
             raise
@@ -345,15 +349,29 @@ class SQLiteJournal(LogReads):
         time.sleep(min(0.001, remaining))
         return True
 
-    def _transaction(self, conn: sqlite3.Connection, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction committed at ``sync``, retrying on locks.
+    def _transaction(
+        self, conn: sqlite3.Connection, sync: str, body: Callable[[sqlite3.Connection], T],
+        deadline: float | None = None,
+    ) -> T:
+        """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction committed at ``sync``, retrying on locks
+        until ``deadline`` (default: the busy timeout from now).
 
         Every sqlite3 error leaves as a :class:`JournalError`.
         """
         if self.readonly:
             raise JournalError(f"The journal {self.path} is open read-only.")
-        deadline = time.monotonic() + self.busy_timeout
+        now = time.monotonic()
         waited = False
+        if deadline is None:
+            deadline = now + self.busy_timeout
+        elif deadline - now < self.busy_timeout - 0.01:
+            # Part of the wait is spent already (in this process's queue): SQLite waits only the rest,
+            # and at least one attempt is made.
+            waited = True
+            try:
+                conn.execute(f"PRAGMA busy_timeout = {max(0, int((deadline - now) * 1000))}")
+            except sqlite3.Error as e:
+                raise JournalError(f"The journal {self.path} failed: {e}.") from e
         try:
             while True:
                 try:
@@ -389,7 +407,7 @@ class SQLiteJournal(LogReads):
         and each write is made again in a transaction of its own, so that only the failing one
         raises, in its own thread. Each thread returns only after the commit that holds its write.
         """
-        request = _Request(step)
+        request = _Request(step, time.monotonic() + self.busy_timeout)
         self._requests.append(request)
         with self._lock:
             if not request.done:
@@ -410,7 +428,8 @@ class SQLiteJournal(LogReads):
         try:
             if len(batch) > 1:
                 try:
-                    results = self._transaction(conn, _NORMAL, lambda c: [_step_of(r, c) for r in batch])
+                    results = self._transaction(conn, _NORMAL, lambda c: [_step_of(r, c) for r in batch],
+                                                min(r.deadline for r in batch))
                 except _StepFailed:
                     pass  # one of them failed, and all were undone: each is made again alone, to fail alone
                 except Exception as e:  # the journal's own failure (busy past the deadline, say): the batch's
@@ -424,7 +443,7 @@ class SQLiteJournal(LogReads):
                     return
             for request in batch:
                 try:
-                    request.result = self._transaction(conn, _NORMAL, request.step)
+                    request.result = self._transaction(conn, _NORMAL, request.step, request.deadline)
                     self._written += 1
                 except Exception as e:
                     request.error = e

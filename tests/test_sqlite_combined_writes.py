@@ -153,6 +153,46 @@ def test_a_batch_that_waits_out_the_busy_deadline_fails_at_it_not_once_a_write(t
     journal.close()
 
 
+def test_threads_queued_behind_a_blocked_writer_are_refused_at_their_own_deadline(tmp_path: Path) -> None:
+    # The busy deadline counts from each call's start: threads that queued behind a writer stuck on
+    # another process's lock are not given a second deadline of their own once it fails.
+    import sqlite3
+
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process", busy_timeout=1.0)
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(n: int) -> int:
+        return n
+
+    other = sqlite3.connect(journal.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    took: list[float] = [0.0] * 8
+    results: list[Any] = [None] * 8
+    start = threading.Barrier(8)
+
+    def call(i: int) -> None:
+        start.wait()
+        begun = time.monotonic()
+        with AirlockContext(metadata={"tool_call_id": f"busy-{i}"}):
+            results[i] = charge(i)
+        took[i] = time.monotonic() - begun
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert all(is_refusal(r) and r["block_reason"] == "store_unavailable" for r in results), results
+    assert max(took) < 1.7, took  # about one deadline; two (2.0 s) before each call kept its own
+    with AirlockContext(metadata={"tool_call_id": "busy-after"}):
+        assert charge(9) == 9
+    journal.close()
+
+
 def test_a_child_forked_while_writes_wait_never_makes_the_parents_writes(tmp_path: Path) -> None:
     import os
 

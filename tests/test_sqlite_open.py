@@ -199,6 +199,41 @@ def test_a_newer_schema_is_refused_unchanged(tmp_path: Path, readonly: bool) -> 
     assert digest(path) == before
 
 
+@pytest.mark.parametrize("readonly", [False, True])
+@pytest.mark.parametrize("what", ["newer", "foreign"])
+def test_a_refused_file_in_wal_mode_gains_no_side_files(tmp_path: Path, readonly: bool, what: str) -> None:
+    # A WAL-mode database closed cleanly is one file; refusing it leaves no -wal or -shm beside it.
+    path = tmp_path / "j.db"
+    if what == "newer":
+        make_journal(path)
+        conn = sqlite3.connect(path)
+        conn.execute(f"PRAGMA user_version = {LATEST + 1}")
+    else:
+        foreign_sqlite(path, rows=True)
+        conn = sqlite3.connect(path)
+        conn.execute("PRAGMA journal_mode = WAL")
+    conn.close()
+    before, files = digest(path), listing(tmp_path)
+    assert files == ["j.db"]
+    with pytest.raises(NewerSchema if what == "newer" else NotAJournal):
+        SQLiteJournal(path, readonly=readonly)
+    assert (digest(path), listing(tmp_path)) == (before, files)
+
+
+def test_a_journal_at_the_latest_version_opens_while_another_process_writes(tmp_path: Path) -> None:
+    # Opening needs no write lock when there is nothing to make or migrate.
+    path = tmp_path / "j.db"
+    make_journal(path)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with SQLiteJournal(path, busy_timeout=0.2) as j:
+            assert j.head()[0] == 1 and j.get("c1") is not None
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
 def test_a_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(JournalError, match=re.escape(str(tmp_path))):
         SQLiteJournal(tmp_path)
