@@ -63,7 +63,14 @@ def db_option(fn: F) -> F:
         show_default=True,
         show_envvar=True,
         help="The journal: a SQLite file, or a postgresql:// URL.",
+        callback=_not_empty,
     )(fn)
+
+
+def _not_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not value.strip():
+        raise click.BadParameter("is empty: give the path of a journal file or a postgresql:// URL", ctx, param)
+    return value
 
 
 def json_option(fn: F) -> F:

@@ -210,3 +210,12 @@ def test_a_command_that_only_reads_leaves_the_journal_as_it_was(db: Path, args: 
     result = invoke("journal", *args, "--db", str(db))
     assert result.exit_code == 0, result.output
     assert digest(db) == before
+
+
+@pytest.mark.parametrize("command", ["show", "export", "verify", "stats", "rebuild"])
+def test_an_empty_db_is_a_usage_error(command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = invoke("journal", command, "--db", " ")
+    assert result.exit_code == 2
+    assert "Invalid value for '--db'" in result.stderr and "is empty" in result.stderr
+    assert list(tmp_path.iterdir()) == []
