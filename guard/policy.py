@@ -44,6 +44,8 @@ class SecurityPolicy:
     ) -> None:
         if isinstance(allowed_tools, str) or isinstance(denied_tools, str):
             raise TypeError("allowed_tools and denied_tools take a list of names, not a string")
+        if isinstance(granted_capabilities, str):  # a lone string would grant each of its letters
+            raise TypeError("granted_capabilities takes a list of capabilities, not a string")
         self.allowed_tools: tuple[str, ...] | None = None if allowed_tools is None else tuple(allowed_tools)
         self.denied_tools: tuple[str, ...] = tuple(denied_tools)
         self.escalate_tools: dict[str, str] = dict(escalate_tools or {})

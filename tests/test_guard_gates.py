@@ -351,6 +351,13 @@ def test_approver_exception_and_foreign_response_refuse() -> None:
         assert refund("o1")["block_reason"] == "escalation_denied", approver
 
 
+@pytest.mark.parametrize("field", ["allowed_tools", "denied_tools", "granted_capabilities"])
+def test_a_lone_string_where_a_list_belongs_is_refused(field: str) -> None:
+    # "admin" as a list would be the names a, d, m, i, n: granting @requires("a") by accident.
+    with pytest.raises(TypeError, match="not a string"):
+        SecurityPolicy(**{field: "admin"})
+
+
 def test_the_tools_own_escalation_entry_gives_the_reason_over_a_glob() -> None:
     approvals = Approvals()
 
