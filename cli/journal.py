@@ -109,7 +109,10 @@ def show(
         _show_call(call_id, as_json, db)
         return
     with open_journal(db, readonly=True, create=False) as j:
-        records = j.calls(status=status, tool=tool, agent_id=agent_id, since=since, limit=limit)
+        # One more than asked for tells whether the list was cut at --limit.
+        records = j.calls(status=status, tool=tool, agent_id=agent_id, since=since, limit=limit + 1)
+        cut = len(records) > limit
+        records = records[:limit]
         if as_json:
             with _quiet_broken_pipe():
                 out = _stdout()
@@ -121,7 +124,7 @@ def show(
         click.echo("No calls match.", err=True)
         return
     _echo_lines(render.calls_table(records, width=render.terminal_width(), colour=render.use_colour()))
-    if len(records) == limit:
+    if cut:
         click.echo(f"(the newest {limit}; pass --limit for more)", err=True)
 
 

@@ -49,6 +49,14 @@ def test_show_lists_calls_newest_first(db: Path) -> None:
     assert "call-refused" not in result.stdout  # refusals make no call
 
 
+@pytest.mark.parametrize(("limit", "cut"), [("3", True), ("4", False), ("5", False)])
+def test_show_says_the_list_was_cut_only_when_it_was(db: Path, limit: str, cut: bool) -> None:
+    result = invoke("journal", "show", "--limit", limit, "--db", str(db))  # the journal has 4 calls
+    assert result.exit_code == 0
+    assert len(result.stdout.splitlines()) == 1 + min(int(limit), 4)
+    assert ("pass --limit for more" in result.stderr) is cut
+
+
 def test_show_json_lines_have_the_call_fields(db: Path) -> None:
     result = invoke("journal", "show", "--json", "--db", str(db))
     assert result.exit_code == 0
