@@ -240,7 +240,7 @@ class SQLiteJournal(LogReads):
             except OSError as e:
                 raise JournalError(f"Cannot create the journal {path}: {e.strerror}.") from e
         # Inspect through a read-only connection first, so a foreign file is never written to.
-        kind = self._check(self._inspect(), blank_ok=True)
+        kind = self._check(self._inspect(), blank_ok=self._create)
         conn = self._connect(str(path))
         try:
             self._retry(conn, lambda: conn.execute("PRAGMA journal_mode = WAL"))
@@ -283,7 +283,7 @@ class SQLiteJournal(LogReads):
 
     def _initialise(self, conn: sqlite3.Connection) -> None:
         # Checked again under the write lock: another process may have made or changed it meanwhile.
-        kind = self._check(schema.read_kind(conn), blank_ok=True)
+        kind = self._check(schema.read_kind(conn), blank_ok=self._create)
         if kind.kind == "blank" or kind.version < schema.LATEST:
             schema.migrate(conn, kind.version)
 

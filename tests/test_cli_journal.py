@@ -219,3 +219,13 @@ def test_an_empty_db_is_a_usage_error(command: str, tmp_path: Path, monkeypatch:
     assert result.exit_code == 2
     assert "Invalid value for '--db'" in result.stderr and "is empty" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["rebuild"], ["resolve", "call-1", "--applied", "--reason", "x"]])
+def test_a_command_that_writes_does_not_make_a_journal_of_an_empty_file(tmp_path: Path, args: list[str]) -> None:
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    result = invoke("journal", *args, "--db", str(empty))
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ") and "not an airlock journal" in result.stderr
+    assert empty.read_bytes() == b"" and [p.name for p in tmp_path.iterdir()] == ["empty.db"]
