@@ -132,7 +132,7 @@ def _redacted(line: Mapping[str, Any]) -> list[str]:
     """The fields the line says were redacted: a list of redactable names (none when absent)."""
     redacted = line.get("redacted", [])
     if not isinstance(redacted, list) or not all(isinstance(f, str) and f in REDACTABLE for f in redacted):
-        raise ValueError(f"its redacted list {redacted!r} names no redactable fields "
+        raise ValueError(f"its redacted list {redacted!r} is not a list of redactable fields "
                          f"({', '.join(sorted(REDACTABLE))})")
     return redacted
 
