@@ -128,6 +128,9 @@ class ChainCheck:
         )
 
 
+_NULL_DIGEST = hashlib.sha256(b"null").hexdigest()
+
+
 def _redacted(line: Mapping[str, Any]) -> list[str]:
     """The fields the line says were redacted: a list of redactable names (none when absent)."""
     redacted = line.get("redacted", [])
@@ -147,6 +150,8 @@ def _line_digest(line: Mapping[str, Any], field: str, redacted: list[str]) -> st
             raise ValueError(f"its {field} is named redacted but is not null")
         return claimed  # type: ignore[no-any-return]
     actual = None if value is None else hashlib.sha256(canonical_bytes(value)).hexdigest()
+    if value is None and claimed == _NULL_DIGEST:
+        actual = claimed  # the value JSON null (a tool that returned None), not the absence of one
     if actual != claimed:
         raise ValueError(f"its {field} do not match {field}_sha256")
     return actual

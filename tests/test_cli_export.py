@@ -228,3 +228,30 @@ def test_a_progress_bar_only_when_stderr_is_a_terminal_and_the_export_goes_to_a_
     assert len(stdout.splitlines()) == count_events(db)
     piped = run_airlock("journal", "export", "--db", str(db), "-o", str(out))
     assert piped.returncode == 0 and piped.stderr == f"Exported {count_events(db)} events to {out}\n"
+
+
+def test_an_export_with_a_value_that_is_json_null_verifies(tmp_path: Path) -> None:
+    # A tool that returned None stored the value null: its digest is sha256("null"), not a missing one.
+    from guard import Airlock, AirlockContext, SecurityPolicy
+    from guard.effect_guard import EffectGuard
+    from journal import SQLiteJournal
+
+    path, out = tmp_path / "j.db", tmp_path / "e.jsonl"
+    with SQLiteJournal(path, durability="process") as journal:
+        @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+        def notify(user: str) -> None:
+            return None
+
+        for _ in range(2):  # the call, then its replay
+            with AirlockContext(metadata={"tool_call_id": "n1"}):
+                assert notify("u1") is None
+    assert invoke("journal", "export", "--db", str(path), "-o", str(out)).exit_code == 0
+    lines = [orjson.loads(line) for line in out.read_text().splitlines()]
+    assert [(line["kind"], line["value"], line["value_sha256"] is not None) for line in lines] == [
+        ("pending", None, False), ("committed", None, True), ("replayed", None, False)]
+    result = invoke("journal", "verify", "--export", str(out))
+    assert result.exit_code == 0, result.output
+    lines[1]["value"] = 0  # the digest of null cannot stand for another value
+    out.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    result = invoke("journal", "verify", "--export", str(out))
+    assert result.exit_code == 1 and "seq 2" in result.stderr
