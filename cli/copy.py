@@ -9,6 +9,8 @@ import click
 from journal.copy import CopyReport, copy_journal
 from journal.errors import JournalNotFound
 
+from .options import then
+
 
 def _same(source: str, destination: str) -> bool:
     return source.rstrip("/") == destination.rstrip("/")
@@ -38,7 +40,7 @@ def copy(source: str, destination: str) -> None:
     try:
         report = _run(source, destination)
     except JournalNotFound as e:
-        raise click.ClickException(f"{e} --from names the journal to copy.") from e
+        raise click.ClickException(then(e, "--from names the journal to copy.")) from e
     click.echo(
         f"Copied {report.events} events ({report.calls} calls) from {source} to {destination}; "
         f"the copy verifies, head {report.head}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from .copy import copy
@@ -23,6 +25,9 @@ def main() -> None:
     \b
         airlock journal show --status unknown --db airlock-demo.db
     """
+    # A pool that replaces a connection the server dropped logs a warning; the command retries and
+    # reports what matters itself, on one line, so the driver's log lines are not printed.
+    logging.getLogger("psycopg").addHandler(logging.NullHandler())
 
 
 journal.add_command(copy)

@@ -30,9 +30,20 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except JournalNotFound as e:
-            raise click.ClickException(f"{e} Name the journal with --db or {DB_ENVVAR}.") from e
+            raise click.ClickException(then(e, f"Name the journal with --db or {DB_ENVVAR}.")) from e
         except JournalError as e:
-            raise click.ClickException(str(e) or type(e).__name__) from e
+            raise click.ClickException(one_line(str(e) or type(e).__name__)) from e
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line: a server's messages can hold line breaks."""
+    return re.sub(r"\s*\n\s*", " ", message).strip()
+
+
+def then(error: BaseException, advice: str) -> str:
+    """The error's message as one sentence, followed by ``advice``."""
+    message = one_line(str(error))
+    return f"{message}{'' if message.endswith(('.', '!', '?')) else '.'} {advice}"
 
 
 def describe(target: str) -> str:
@@ -45,10 +56,9 @@ def describe(target: str) -> str:
         return target.split("://", 1)[0] + "://..."
     if parts.password is None:
         return target
-    host = parts.hostname or ""
-    netloc = f"{parts.username}@{host}" if parts.username else host
-    if parts.port is not None:
-        netloc += f":{parts.port}"
+    userinfo, _, hostport = parts.netloc.rpartition("@")  # the host part as given, a bad port included
+    user = userinfo.split(":", 1)[0]
+    netloc = f"{user}@{hostport}" if user else hostport
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
@@ -63,14 +73,37 @@ def db_option(fn: F) -> F:
         show_default=True,
         show_envvar=True,
         help="The journal: a SQLite file, or a postgresql:// URL.",
-        callback=_not_empty,
+        callback=_journal_target,
     )(fn)
 
 
-def _not_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def _journal_target(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """``--db`` as given, once it can name a journal: not empty, and a URL that parses."""
     if not value.strip():
         raise click.BadParameter("is empty: give the path of a journal file or a postgresql:// URL", ctx, param)
+    if value.startswith(("postgresql://", "postgres://")):
+        problem = url_problem(value)
+        if problem is not None:
+            raise click.BadParameter(f"{describe(value)} is not a PostgreSQL URL: {problem}", ctx, param)
     return value
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not a connection URL libpq can use, or None (also when psycopg is not
+    installed: opening the journal then says how to install it)."""
+    try:
+        from psycopg import ProgrammingError
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        return None
+    try:
+        params = conninfo_to_dict(url)
+    except ProgrammingError as e:
+        return one_line(str(e))
+    port = str(params.get("port", ""))
+    if port and not all(p.strip().isdigit() for p in port.split(",")):
+        return f"the port {port!r} is not a number"
+    return None
 
 
 def json_option(fn: F) -> F:

@@ -128,7 +128,7 @@ def _describe(dsn: str) -> str:
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as e:
-        raise JournalError(f"not a PostgreSQL connection string ({e})") from e
+        raise JournalError(f"not a PostgreSQL connection string ({str(e).strip()})") from e
     host = params.get("host") or params.get("hostaddr") or "localhost"
     where = f"{host}:{params.get('port') or 5432}/{params.get('dbname') or params.get('user') or ''}"
     options = str(params.get("options") or "")

@@ -229,3 +229,27 @@ def test_a_command_that_writes_does_not_make_a_journal_of_an_empty_file(tmp_path
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: ") and "not an airlock journal" in result.stderr
     assert empty.read_bytes() == b"" and [p.name for p in tmp_path.iterdir()] == ["empty.db"]
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("postgresql://bad host/x", 'unexpected spaces found in "bad host"'),
+        ("postgresql://127.0.0.1/x?foo=bar", 'invalid URI query parameter: "foo"'),
+        ("postgresql://airlock:s3cret@db:notaport/x", "the port 'notaport' is not a number"),
+    ],
+)
+def test_a_malformed_postgresql_url_is_a_usage_error_on_one_line(url: str, problem: str) -> None:
+    result = invoke("journal", "stats", "--db", url)
+    assert result.exit_code == 2
+    error = result.stderr.splitlines()[-1]
+    assert error.startswith("Error: Invalid value for '--db'") and problem in error
+    assert "s3cret" not in result.stderr  # the password is never printed
+
+
+def test_a_server_that_cannot_be_reached_is_one_error_line() -> None:
+    result = run_airlock("journal", "stats", "--db", "postgresql://127.0.0.1:1/journal")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("Error: ") and "cannot be reached" in line
