@@ -762,6 +762,15 @@ class PostgresJournal(LogReads):
             return report
         head = conn.execute(b"SELECT seq, hash FROM chain_head WHERE id = 1").fetchone()
         if head is None or (int(head[0]), str(head[1])) != (report.events, report.head):
+            if head is not None and int(head[0]) > report.events:
+                # The log was cut short: the first event missing is the first bad one.
+                first, last = report.events + 1, int(head[0])
+                missing = f"seq {first} is" if first == last else f"seq {first} to {last} are"
+                return VerifyReport(
+                    ok=False, events=report.events, head=report.head, first_bad_seq=first,
+                    problem=f"{missing} missing: the log ends at seq {report.events} but the chain head "
+                            f"row records seq {last}",
+                )
             return VerifyReport(
                 ok=False, events=report.events, head=report.head, first_bad_seq=report.events or None,
                 problem=f"the chain head row {head!r} does not match the last event",

@@ -158,6 +158,15 @@ def test_verify_names_a_removed_event(journal: PostgresJournal, pg_dsn: str) -> 
     assert "missing" in (report.problem or "")
 
 
+def test_verify_names_the_first_event_cut_from_the_end(journal: PostgresJournal, pg_dsn: str) -> None:
+    for n in range(1, 4):
+        run(journal, f"c{n}")
+    _as_superuser_bypassing_triggers(pg_dsn, "DELETE FROM events WHERE seq = 3")
+    report = journal.verify()
+    assert (report.ok, report.events, report.first_bad_seq) == (False, 2, 3)
+    assert (report.problem or "").startswith("seq 3 is missing: the log ends at seq 2")
+
+
 def test_verify_names_a_rewritten_tail(journal: PostgresJournal, pg_dsn: str) -> None:
     run(journal, "c1")
     run(journal, "c2")
