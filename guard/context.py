@@ -17,6 +17,9 @@ class CallScope(Protocol):
 
 # Holds the host's AirlockContext, or during a guarded call the call's CallScope.
 _current: ContextVar[Any] = ContextVar("airlock_context", default=None)
+# The contexts entered in this thread or task, with the tokens that restore what each replaced:
+# kept per contextvars context, so one AirlockContext object may be entered by many tasks at once.
+_entered: ContextVar[tuple[tuple[Any, Token[Any]], ...]] = ContextVar("airlock_entered", default=())
 
 
 class AirlockContext:
@@ -26,12 +29,15 @@ class AirlockContext:
     or an adapter puts the model's tool call id at ``metadata["tool_call_id"]``.
     """
 
-    __slots__ = ("_tokens", "agent_id", "metadata")
+    __slots__ = ("agent_id", "metadata")
 
     def __init__(self, agent_id: str | None = None, metadata: Mapping[str, Any] | None = None) -> None:
+        if agent_id is not None and not isinstance(agent_id, str):
+            raise TypeError(f"agent_id is a string or None, not {type(agent_id).__name__}")
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise TypeError(f"metadata is a mapping (a dict) or None, not {type(metadata).__name__}")
         self.agent_id = agent_id
         self.metadata: dict[str, Any] = dict(metadata) if metadata else {}
-        self._tokens: list[Token[Any]] = []
 
     @property
     def tool_call_id(self) -> str | None:
@@ -44,13 +50,17 @@ class AirlockContext:
         return None
 
     def __enter__(self) -> AirlockContext:
-        self._tokens.append(_current.set(self))
+        _entered.set((*_entered.get(), (self, _current.set(self))))
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        _current.reset(self._tokens.pop())
+        entered = _entered.get()
+        if not entered or entered[-1][0] is not self:
+            raise RuntimeError("an AirlockContext was left that is not the innermost one entered here")
+        _current.reset(entered[-1][1])
+        _entered.set(entered[:-1])
 
     async def __aenter__(self) -> AirlockContext:
         return self.__enter__()
@@ -84,7 +94,6 @@ class CallContext(AirlockContext):
     ) -> None:
         self.agent_id = agent_id
         self.metadata = dict(metadata) if metadata else {}
-        self._tokens = []
         self.tool = tool
         self._tool_call_id = tool_call_id
         self._idempotency_key = idempotency_key
