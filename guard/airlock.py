@@ -58,7 +58,8 @@ _HINTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _is_deferred(result: Any) -> bool:
+def is_deferred(result: Any) -> bool:
+    """A result whose effect happens as it is consumed: an awaitable, a generator, an iterator."""
     if type(result) in _PLAIN:
         return False
     return (
@@ -331,7 +332,7 @@ class _Call:
     def returned(self, result: Any) -> None:
         if self.verdict is not _RUN:
             return
-        if type(result) not in _PLAIN and _is_deferred(result):
+        if type(result) not in _PLAIN and is_deferred(result):
             self.outcome("unknown", error={
                 "type": type(result).__name__,
                 "message": "the tool returned a deferred result; its effect happens as it is consumed",
@@ -379,6 +380,8 @@ class Airlock:
     def __init__(self, policy: SecurityPolicy | None = None, on_block: Literal["return", "raise"] = "return") -> None:
         if on_block not in ("return", "raise"):
             raise ValueError(f"on_block is 'return' or 'raise', not {on_block!r}")
+        if policy is not None and not isinstance(policy, SecurityPolicy):
+            raise TypeError(f"policy is a SecurityPolicy, not {type(policy).__name__}")
         self.policy = policy if policy is not None else SecurityPolicy()
         self.on_block = on_block
 
@@ -393,8 +396,12 @@ class Airlock:
         return self.blocked(call.refuse(code, error, **details))
 
     def __call__(self, fn: F) -> F:
-        if not callable(fn):
-            raise TypeError(f"@Airlock decorates a function, not {fn!r}")
+        if not callable(fn) or not isinstance(getattr(fn, "__name__", None), str):
+            raise TypeError(f"@Airlock decorates a function (a def or async def, named by __name__), not {fn!r}")
+        if "__airlock__" in getattr(fn, "__dict__", {}):
+            # The inner guard would see a nested call without an id and refuse it; the outer one
+            # would then commit that refusal as the tool's value.
+            raise TypeError(f"{fn.__name__!r} is already guarded by an @Airlock; give a tool one Airlock")
         cache: list[_Tool] = []
 
         def tool() -> _Tool:
@@ -443,6 +450,11 @@ class Airlock:
                 if refusal is None and call.escalation is not None:
                     try:
                         response = self.policy.approver(call.approval_request())  # type: ignore[misc]
+                        if inspect.isawaitable(response):
+                            if inspect.iscoroutine(response):
+                                response.close()
+                            raise TypeError("the approver is async; a def tool needs an approver that is a "
+                                            "plain function (an async approver serves async def tools)")
                     except Exception as e:
                         refusal = call.approval_failed(e)
                     else:

@@ -57,7 +57,7 @@ def reversibility(tag: Reversibility) -> Callable[[F], F]:
 
     Raises ``ValueError`` at once for any other tag.
     """
-    if tag not in _RANK:
+    if not isinstance(tag, str) or tag not in _RANK:
         raise ValueError(f"reversibility takes 'reversible', 'costly' or 'irreversible', not {tag!r}")
 
     def mark(fn: F) -> F:
@@ -104,13 +104,23 @@ class EffectGuard:
         target_args: Iterable[str] = (),
         ambiguous_errors: Iterable[type[BaseException]] = DEFAULT_AMBIGUOUS_ERRORS,
     ) -> None:
-        if isinstance(target_args, str):
+        if isinstance(target_args, str | bytes):
             raise TypeError("target_args takes a list of argument names, not a string")
+        if store is not None and not isinstance(store, EffectStore):
+            raise TypeError(f"store is an EffectStore (SQLiteJournal, PostgresJournal, InMemoryEffectStore, or "
+                            f"one of your own with begin, append and get), not {type(store).__name__}")
         self.store: EffectStore = store if store is not None else InMemoryEffectStore()
         self.require_tool_call_id = bool(require_tool_call_id)
         self.require_approval_for_irreversible = bool(require_approval_for_irreversible)
         self.target_args: tuple[str, ...] = tuple(target_args)
-        self.ambiguous_errors: tuple[type[BaseException], ...] = tuple(ambiguous_errors)
+        if not all(isinstance(name, str) for name in self.target_args):
+            raise TypeError(f"target_args takes argument names as strings, not {self.target_args!r}")
+        # One exception class, or any number of them.
+        errors: Any = (ambiguous_errors,) if isinstance(ambiguous_errors, type) else ambiguous_errors
+        self.ambiguous_errors: tuple[type[BaseException], ...] = tuple(errors)
+        for error in self.ambiguous_errors:
+            if not (isinstance(error, type) and issubclass(error, BaseException)):
+                raise TypeError(f"ambiguous_errors takes exception classes, not {error!r}")
 
     def __repr__(self) -> str:
         return (

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from .effect_guard import EffectGuard
 from .oversight import Approver
-
-if TYPE_CHECKING:
-    from .effect_guard import EffectGuard
 
 __all__ = ["SecurityPolicy", "required_capabilities", "requires"]
 
@@ -42,15 +40,26 @@ class SecurityPolicy:
         granted_capabilities: Iterable[str] = (),
         effect_guard: EffectGuard | None = None,
     ) -> None:
-        if isinstance(allowed_tools, str) or isinstance(denied_tools, str):
-            raise TypeError("allowed_tools and denied_tools take a list of names, not a string")
-        if isinstance(granted_capabilities, str):  # a lone string would grant each of its letters
-            raise TypeError("granted_capabilities takes a list of capabilities, not a string")
-        self.allowed_tools: tuple[str, ...] | None = None if allowed_tools is None else tuple(allowed_tools)
-        self.denied_tools: tuple[str, ...] = tuple(denied_tools)
+        self.allowed_tools: tuple[str, ...] | None = (
+            None if allowed_tools is None else _names("allowed_tools", allowed_tools, "tool names")
+        )
+        self.denied_tools: tuple[str, ...] = _names("denied_tools", denied_tools, "tool names")
+        if escalate_tools is not None and not isinstance(escalate_tools, Mapping):
+            raise TypeError(f"escalate_tools maps tool names or globs to reasons, not {type(escalate_tools).__name__}")
         self.escalate_tools: dict[str, str] = dict(escalate_tools or {})
+        for pattern, reason in self.escalate_tools.items():
+            if not isinstance(pattern, str) or not isinstance(reason, str) or not reason.strip():
+                raise TypeError(f"escalate_tools maps a tool name or glob to the reason to ask, as strings; "
+                                f"not {pattern!r}: {reason!r}")
+        if approver is not None and not callable(approver):
+            raise TypeError(f"approver is a function of an OversightRequest, not {approver!r}")
         self.approver = approver
-        self.granted_capabilities: frozenset[str] = frozenset(granted_capabilities)
+        # A lone string would grant each of its letters.
+        self.granted_capabilities: frozenset[str] = frozenset(
+            _names("granted_capabilities", granted_capabilities, "capabilities"))
+        if effect_guard is not None and not isinstance(effect_guard, EffectGuard):
+            raise TypeError(
+                f"effect_guard is an EffectGuard (EffectGuard(store=...)), not {type(effect_guard).__name__}")
         self.effect_guard = effect_guard
 
     def violation(self, tool: str) -> str | None:
@@ -84,6 +93,20 @@ class SecurityPolicy:
             f"escalate_tools={self.escalate_tools!r}, granted_capabilities={sorted(self.granted_capabilities)!r}, "
             f"effect_guard={self.effect_guard!r})"
         )
+
+
+def _names(what: str, names: Iterable[str], of: str) -> tuple[str, ...]:
+    """``names`` as a tuple of strings; a lone string, or anything but strings in it, is a TypeError."""
+    if isinstance(names, str | bytes):
+        raise TypeError(f"{what} takes a list of {of}, not a string")
+    try:
+        found = tuple(names)
+    except TypeError:
+        raise TypeError(f"{what} takes a list of {of}, not {type(names).__name__}") from None
+    for name in found:
+        if not isinstance(name, str):
+            raise TypeError(f"{what} takes a list of {of} as strings, not {name!r}")
+    return found
 
 
 def requires(*capabilities: str) -> Callable[[F], F]:

@@ -239,6 +239,9 @@ class SQLiteJournal(LogReads):
                 pass  # another process made it first; it is inspected like any existing file
             except OSError as e:
                 raise JournalError(f"Cannot create the journal {path}: {e.strerror}.") from e
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise JournalError(f"Cannot write the journal {path}: permission denied; open it with readonly=True "
+                               "to read it.")
         # Inspect through a read-only connection first, so a foreign file is never written to.
         kind = self._check(self._inspect(), blank_ok=self._create)
         conn = self._connect(str(path))

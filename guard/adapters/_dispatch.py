@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from ..airlock import Airlock
+from ..airlock import Airlock, is_deferred
 from ..canonical import to_json_value
 from ..context import AirlockContext, get_current_context
 from ..policy import required_capabilities
@@ -132,9 +132,22 @@ def _raised(tool: _Guarded, call_id: str | None, exc: Exception) -> Outcome:
     return Outcome(orjson.dumps(error, default=str).decode(), True, exc)
 
 
-def _finished(result: Any) -> Outcome:
+def _finished(tool: _Guarded, result: Any) -> Outcome:
     if is_refusal(result):
         return _refused(result)
+    if is_deferred(result):
+        # The guard recorded the call unknown; nothing of it can reach the model as a value.
+        kind = type(result).__name__
+        if inspect.iscoroutine(result):
+            result.close()  # never to be awaited: closed, so it is not reported as forgotten
+        error = {
+            "success": False,
+            "status": "error",
+            "error": f"The tool {tool.name!r} returned a {kind}, not a value; its effect, if any, happens "
+                     "as it is consumed, so its outcome is unknown. Do not retry this call.",
+            "error_type": kind,
+        }
+        return Outcome(orjson.dumps(error).decode(), True, result)
     return Outcome(_text(result), False, result)
 
 
@@ -278,7 +291,7 @@ def dispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
             return _refused(blocked.refusal)
         except Exception as e:
             return _raised(tool, call_id, e)
-    return _finished(result)
+    return _finished(tool, result)
 
 
 async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
@@ -304,7 +317,7 @@ async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any
             return _refused(blocked.refusal)
         except Exception as e:
             return _raised(tool, call_id, e)
-    return _finished(result)
+    return _finished(tool, result)
 
 
 def call_id_of(value: Any, what: str) -> str:
