@@ -38,7 +38,8 @@ _HINTS: dict[str, tuple[str, ...]] = {
     "escalation_required": ("Ask an operator to configure an approver for this tool; do not retry until then.",),
     "escalation_denied": ("Do not retry this call unchanged; tell the user it was not approved.",),
     "tool_call_id_required": (
-        "The host must run this tool inside AirlockContext(metadata={'tool_call_id': ...}).",
+        "The host must run this tool inside AirlockContext(metadata={'tool_call_id': ...}), the id a "
+        "non-empty string.",
     ),
     "target_args_required": ("Name the target explicitly and call again.",),
     "arguments_not_canonical": (
