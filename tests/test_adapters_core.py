@@ -331,3 +331,78 @@ print(anthropic.dispatch(block, [lookup])["content"])
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["3", "2"]
+
+
+# -- the types the annotations promise ---------------------------------------------------------
+
+
+def test_arguments_of_the_wrong_type_are_refused_and_the_tool_not_run() -> None:
+    store = InMemoryEffectStore()
+    ran: list[Any] = []
+
+    @guarded(store)
+    def charge(account: str, cents: int, memo: str | None = None) -> str:
+        ran.append((account, cents, memo))
+        return "ok"
+
+    reply = openai.dispatch(chat("call_t1", "charge", {"account": "a", "cents": "lots"}), [charge])
+    refusal = json.loads(reply["content"])
+    assert refusal["block_reason"] == "arguments_not_canonical"
+    assert "'cents'" in refusal["error"] and "integer" in refusal["error"]
+    assert ran == [] and [e.kind for e in store.events()] == ["refused"]
+    # A value the type takes as it is, and a parameter left at its default (null for None), run.
+    assert openai.dispatch(chat("call_t2", "charge", {"account": "a", "cents": 5, "memo": None}),
+                           [charge])["content"] == '"ok"'
+    assert ran == [("a", 5, None)]
+
+
+try:
+    import pydantic
+except ImportError:  # a test below imports this module with every SDK (and pydantic) hidden
+    pydantic = None
+else:
+    class Address(pydantic.BaseModel):
+        city: str
+        postcode: str
+
+
+def test_a_json_object_becomes_the_model_its_parameter_names() -> None:
+    seen: list[Any] = []
+
+    @guarded()
+    def ship(order: str, to: Address) -> str:
+        seen.append(to)
+        return to.city
+
+    result = anthropic.dispatch(use("toolu_m1", "ship", {"order": "o1", "to": {"city": "Oslo", "postcode": "0150"}}),
+                                [ship])
+    assert result["is_error"] is False and json.loads(result["content"]) == "Oslo"
+    assert seen == [Address(city="Oslo", postcode="0150")]
+    bad = anthropic.dispatch(use("toolu_m2", "ship", {"order": "o1", "to": {"city": "Oslo"}}), [ship])
+    assert bad["is_error"] is True and "'to'" in json.loads(bad["content"])["error"]
+
+
+def test_an_annotation_that_does_not_resolve_leaves_only_its_own_parameter_unchecked() -> None:
+    class Local:  # a name local to this function: the tool's annotation cannot be resolved
+        pass
+
+    ran: list[Any] = []
+
+    @guarded()
+    def tag(item: Local, weight: int) -> str:
+        ran.append((item, weight))
+        return "ok"
+
+    assert json.loads(openai.dispatch(chat("call_u1", "tag", {"item": "x", "weight": "heavy"}),
+                                      [tag])["content"])["block_reason"] == "arguments_not_canonical"
+    assert openai.dispatch(chat("call_u2", "tag", {"item": "x", "weight": 3}), [tag])["content"] == '"ok"'
+    assert ran == [("x", 3)]
+
+
+def test_a_tool_with_positional_only_parameters_cannot_be_offered_to_a_model() -> None:
+    @guarded()
+    def scale(factor: int, /, by: int) -> int:
+        return factor * by
+
+    with pytest.raises(TypeError, match=r"positional-only parameters \(factor\)"):
+        openai.dispatch(chat("call_p1", "scale", {"by": 2}), [scale])

@@ -7,8 +7,11 @@ expects next. Nothing here imports an SDK.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import typing
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +70,51 @@ def _find_guard(fn: Callable[..., Any]) -> tuple[Airlock, Callable[..., Any]] | 
     return None
 
 
+def type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``fn``'s resolved type hints, leaving out those that do not resolve (a name local to a function)."""
+    try:
+        return typing.get_type_hints(fn, include_extras=True)
+    except Exception:
+        pass
+    globalns = getattr(inspect.unwrap(fn), "__globals__", {})
+    hints: dict[str, Any] = {}
+    for name, annotation in getattr(fn, "__annotations__", {}).items():
+        holder = type("_One", (), {"__annotations__": {name: annotation}})
+        try:
+            hints[name] = typing.get_type_hints(holder, globalns=globalns, include_extras=True)[name]
+        except Exception:
+            continue
+    return hints
+
+
+# Per tool function: each typed parameter's validator (pydantic's, when it is installed) and default.
+_CHECKS: weakref.WeakKeyDictionary[Callable[..., Any], dict[str, tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+
+
+def _checks(fn: Callable[..., Any]) -> dict[str, tuple[Any, Any]]:
+    found = _CHECKS.get(fn)
+    if found is not None:
+        return found
+    found = {}
+    try:
+        import pydantic
+    except ImportError:  # every provider's SDK brings pydantic; without it only names are checked
+        pass
+    else:
+        hints = type_hints(fn)
+        for p in inspect.signature(fn).parameters.values():
+            hint = hints.get(p.name, Any)
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY) or hint is Any:
+                continue
+            try:
+                found[p.name] = (pydantic.TypeAdapter(hint), p.default)
+            except Exception:
+                continue  # a type pydantic cannot check is taken as it comes
+    with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced is checked afresh
+        _CHECKS[fn] = found
+    return found
+
+
 def tool_table(tools: Tools) -> dict[str, _Guarded]:
     """The tools by the name the model calls them: a mapping as given, a list by ``__name__``.
 
@@ -101,6 +149,11 @@ def tool_table(tools: Tools) -> dict[str, _Guarded]:
             )
         if name in table:
             raise ValueError(f"two tools are named {name!r}; give them distinct names in a mapping")
+        unnamed = [p.name for p in inspect.signature(fn).parameters.values()
+                   if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+        if unnamed:
+            raise TypeError(f"the tool {name!r} has positional-only parameters ({', '.join(unnamed)}): a model "
+                            "names every argument, so it could never call it")
         table[name] = _Guarded(name, fn, found[0], found[1])
     return table
 
@@ -235,6 +288,16 @@ def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
             parameters=[p for p in parameters if parameters[p].kind not in (
                 inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)],
         )
+    # The types the tool's annotations (and the schema a host derives from them) promise: checked,
+    # and a JSON object made into the model a parameter names. The parameter's own default passes.
+    for name, (adapter, default) in _checks(tool.fn).items():
+        if name in kwargs and kwargs[name] is not default:
+            try:
+                kwargs[name] = adapter.validate_python(kwargs[name])
+            except Exception as e:
+                errors = getattr(e, "errors", None)
+                why = errors()[0].get("msg", str(e)) if callable(errors) and errors() else str(e)
+                return _refuse_arguments(tool, f"do not fit its signature ({name!r}: {why})", argument=name)
     return kwargs
 
 

@@ -13,7 +13,6 @@ The ``mcp`` SDK is imported only when a server is built or a result made, never 
 from __future__ import annotations
 
 import inspect
-import typing
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,7 @@ import orjson
 
 from ..canonical import to_json_value
 from ..refusal import is_refusal
-from ._dispatch import Outcome, Tools, field, tool_table
+from ._dispatch import Outcome, Tools, field, tool_table, type_hints
 from ._dispatch import adispatch as _adispatch
 
 if TYPE_CHECKING:
@@ -34,14 +33,6 @@ META_KEY = "tool_call_id"
 """The key of the request's ``_meta`` whose value becomes the call's ``tool_call_id``."""
 
 
-def _annotations(fn: Callable[..., Any]) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(fn, include_extras=True)
-    except Exception:
-        # An annotation that does not resolve leaves its parameter untyped in the schema.
-        return {}
-
-
 def input_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     """The JSON Schema of ``fn``'s keyword arguments, from its signature and type hints.
 
@@ -50,7 +41,7 @@ def input_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     """
     from pydantic import TypeAdapter
 
-    hints = _annotations(fn)
+    hints = type_hints(fn)  # one that does not resolve leaves its parameters untyped
     properties: dict[str, Any] = {}
     required: list[str] = []
     definitions: dict[str, Any] = {}
