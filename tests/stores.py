@@ -33,11 +33,21 @@ def postgres_store(tmp_path: Path) -> Any:
     return PostgresJournal(fresh_schema(), pool_size=4)
 
 
+def guide_store(tmp_path: Path) -> Any:
+    # The example of docs/custom-store.md, taken from the page itself, so the guide stays true.
+    page = (Path(__file__).resolve().parents[1] / "docs" / "custom-store.md").read_text()
+    example = page.split("## An example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(example, "docs/custom-store.md", "exec"), namespace)
+    return namespace["JsonLinesStore"](tmp_path / "effects.jsonl")
+
+
 # name -> factory; the journal modules add theirs below.
 STORE_FACTORIES: dict[str, StoreFactory] = {
     "memory": memory_store,
     "sqlite": sqlite_store,
     "postgres": postgres_store,
+    "guide": guide_store,
 }
 
 
