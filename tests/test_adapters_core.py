@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from guard import Airlock, SecurityPolicy, requires
+from guard import Airlock, AirlockContext, SecurityPolicy, requires
 from guard.adapters import anthropic, openai
 from guard.effect_guard import EffectGuard, InMemoryEffectStore, reversibility
 
@@ -366,20 +366,42 @@ else:
         postcode: str
 
 
-def test_a_json_object_becomes_the_model_its_parameter_names() -> None:
+def test_a_json_object_is_checked_against_the_model_its_parameter_names() -> None:
     seen: list[Any] = []
 
     @guarded()
     def ship(order: str, to: Address) -> str:
         seen.append(to)
-        return to.city
+        return to["city"]  # type: ignore[index]
 
     result = anthropic.dispatch(use("toolu_m1", "ship", {"order": "o1", "to": {"city": "Oslo", "postcode": "0150"}}),
                                 [ship])
     assert result["is_error"] is False and json.loads(result["content"]) == "Oslo"
-    assert seen == [Address(city="Oslo", postcode="0150")]
+    assert seen == [{"city": "Oslo", "postcode": "0150"}]  # checked, and passed on as the model sent it
     bad = anthropic.dispatch(use("toolu_m2", "ship", {"order": "o1", "to": {"city": "Oslo"}}), [ship])
     assert bad["is_error"] is True and "'to'" in json.loads(bad["content"])["error"]
+
+
+def test_checked_arguments_keep_the_key_of_what_the_model_sent() -> None:
+    # A float parameter sent 5, a Decimal sent 12.5: the tool gets them as sent, so the key is the
+    # one a direct call with the same JSON values makes, and a value pydantic would turn into an
+    # object with no JSON form (a Decimal, a set) does not make the call unkeyable.
+    from decimal import Decimal
+
+    store = InMemoryEffectStore()
+    got: list[Any] = []
+
+    @guarded(store)
+    def pay(amount: float, fee: Decimal, tags: set[str]) -> str:
+        got.append((amount, fee, tags))
+        return "paid"
+
+    reply = openai.dispatch(chat("call_k1", "pay", {"amount": 5, "fee": 12.5, "tags": ["a"]}), [pay])
+    assert reply["content"] == '"paid"'
+    assert got == [(5, 12.5, ["a"])] and type(got[0][0]) is int
+    with AirlockContext(metadata={"tool_call_id": "direct"}):
+        pay(5, 12.5, ["a"])  # type: ignore[arg-type]
+    assert store.get("call_k1").idempotency_key == store.get("direct").idempotency_key  # type: ignore[union-attr]
 
 
 def test_an_annotation_that_does_not_resolve_leaves_only_its_own_parameter_unchecked() -> None:

@@ -288,12 +288,14 @@ def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
             parameters=[p for p in parameters if parameters[p].kind not in (
                 inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)],
         )
-    # The types the tool's annotations (and the schema a host derives from them) promise: checked,
-    # and a JSON object made into the model a parameter names. The parameter's own default passes.
+    # The types the tool's annotations (and the schema a host derives from them) promise are
+    # checked; the tool still gets the JSON values the model sent, so that the idempotency key is
+    # that of the model's arguments, whatever pydantic would make of them. The parameter's own
+    # default passes as it is.
     for name, (adapter, default) in _checks(tool.fn).items():
         if name in kwargs and kwargs[name] is not default:
             try:
-                kwargs[name] = adapter.validate_python(kwargs[name])
+                adapter.validate_python(kwargs[name])
             except Exception as e:
                 errors = getattr(e, "errors", None)
                 why = errors()[0].get("msg", str(e)) if callable(errors) and errors() else str(e)
