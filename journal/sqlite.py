@@ -435,7 +435,15 @@ class SQLiteJournal(LogReads):
                                                 min(r.deadline for r in batch))
                 except _StepFailed:
                     pass  # one of them failed, and all were undone: each is made again alone, to fail alone
-                except Exception as e:  # the journal's own failure (busy past the deadline, say): the batch's
+                except StoreBusy as e:
+                    # Busy at the earliest deadline of the batch: the writes whose own deadline has come
+                    # fail; the others are tried again, each until its own.
+                    now = time.monotonic()
+                    for request in batch:
+                        if request.deadline <= now + 0.01:
+                            request.error, request.done = e, True
+                    batch = [r for r in batch if not r.done]
+                except Exception as e:  # the journal's own failure (a full disk, say): the batch's
                     for request in batch:
                         request.error, request.done = e, True
                     return

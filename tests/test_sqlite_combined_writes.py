@@ -193,6 +193,40 @@ def test_threads_queued_behind_a_blocked_writer_are_refused_at_their_own_deadlin
     journal.close()
 
 
+def test_a_thread_that_queued_late_waits_its_own_deadline_not_the_batchs(tmp_path: Path) -> None:
+    # A starts at 0, B at 0.3 s, C at 0.9 s, each with 1 s to wait; another process holds the lock
+    # until 1.6 s. A and B are refused at their deadlines (1.0 and 1.3 s); C gets its turn at 1.6 s.
+    import sqlite3
+
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process", busy_timeout=1.0)
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def pay(n: int) -> int:
+        return n
+
+    other = sqlite3.connect(journal.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    results: dict[str, Any] = {}
+
+    def call(name: str, delay: float) -> None:
+        time.sleep(delay)
+        with AirlockContext(metadata={"tool_call_id": name}):
+            results[name] = pay(1)
+
+    threads = [threading.Thread(target=call, args=a) for a in (("A", 0.0), ("B", 0.3), ("C", 0.9))]
+    for t in threads:
+        t.start()
+    time.sleep(1.6)
+    other.execute("ROLLBACK")
+    other.close()
+    for t in threads:
+        t.join(10)
+    assert is_refusal(results["A"]) and results["A"]["block_reason"] == "store_unavailable"
+    assert is_refusal(results["B"]) and results["B"]["block_reason"] == "store_unavailable"
+    assert results["C"] == 1
+    journal.close()
+
+
 def test_a_child_forked_while_writes_wait_never_makes_the_parents_writes(tmp_path: Path) -> None:
     import os
 
