@@ -13,6 +13,7 @@ import click
 
 from guard.store import parse_at
 from journal.errors import JournalError, JournalNotFound
+from journal.open import without_secrets
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,6 +51,7 @@ def describe(target: str) -> str:
     """The journal ``target`` for a message: a URL without its password."""
     if "://" not in target:
         return target
+    target = re.sub(r"(?<=[?&]password=)[^&#]*", "***", target)
     try:
         parts = urlsplit(target)
     except ValueError:
@@ -99,9 +101,10 @@ def url_problem(url: str) -> str | None:
     try:
         params = conninfo_to_dict(url)
     except ProgrammingError as e:
-        return one_line(str(e))
+        return without_secrets(one_line(str(e)), url)  # libpq's message may quote the password
     port = str(params.get("port", ""))
-    if port and not all(p.strip().isdigit() for p in port.split(",")):
+    # A list of ports for a list of hosts; an empty entry is the default port.
+    if not all(p.strip().isdigit() for p in port.split(",") if p.strip()):
         return f"the port {port!r} is not a number"
     return None
 

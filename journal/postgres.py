@@ -35,6 +35,7 @@ from . import pg_schema
 from .chain import GENESIS, ChainCheck, hash_of
 from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, StoreBusy
 from .events import JournalEvent, JournalStats, VerifyReport
+from .open import without_secrets
 from .projection import fold_into
 from .reading import LogReads
 from .rows import (
@@ -128,7 +129,7 @@ def _describe(dsn: str) -> str:
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as e:
-        raise JournalError(f"not a PostgreSQL connection string ({str(e).strip()})") from e
+        raise JournalError(f"not a PostgreSQL connection string ({without_secrets(str(e).strip(), dsn)})") from e
     host = params.get("host") or params.get("hostaddr") or "localhost"
     where = f"{host}:{params.get('port') or 5432}/{params.get('dbname') or params.get('user') or ''}"
     options = str(params.get("options") or "")

@@ -237,6 +237,10 @@ def test_a_command_that_writes_does_not_make_a_journal_of_an_empty_file(tmp_path
         ("postgresql://bad host/x", 'unexpected spaces found in "bad host"'),
         ("postgresql://127.0.0.1/x?foo=bar", 'invalid URI query parameter: "foo"'),
         ("postgresql://airlock:s3cret@db:notaport/x", "the port 'notaport' is not a number"),
+        # libpq quotes the bad part, the password included: it is blanked as written and decoded.
+        ("postgresql://airlock:s3cret%zz@db/x", 'invalid percent-encoded token: "***"'),
+        ("postgresql://airlock:s3cret@[db/x", 'in URI: "postgresql://airlock:***@[db/x"'),
+        ("postgresql://db/x?password=s3cret%zz&application_name=a", 'invalid percent-encoded token: "***"'),
     ],
 )
 def test_a_malformed_postgresql_url_is_a_usage_error_on_one_line(url: str, problem: str) -> None:
@@ -253,3 +257,10 @@ def test_a_server_that_cannot_be_reached_is_one_error_line() -> None:
     assert result.stdout == ""
     [line] = result.stderr.splitlines()
     assert line.startswith("Error: ") and "cannot be reached" in line
+
+
+def test_a_list_of_hosts_with_a_default_port_is_a_url_not_a_usage_error() -> None:
+    # libpq's empty entry in the port list is the default port: the URL is tried, not refused.
+    result = run_airlock("journal", "stats", "--db", "postgresql://127.0.0.1,127.0.0.2:1/journal")
+    assert result.returncode == 1 and result.stderr.startswith("Error: ")
+    assert "Invalid value for '--db'" not in result.stderr
