@@ -11,6 +11,10 @@ from .demo import demo
 from .journal import journal
 from .options import Group
 
+# A pool that replaces a connection the server dropped logs a warning; a command retries and
+# reports what matters itself, on one line, so the driver's log lines are not printed.
+logging.getLogger("psycopg").addHandler(logging.NullHandler())
+
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="airlock-journal", prog_name="airlock")
@@ -25,9 +29,6 @@ def main() -> None:
     \b
         airlock journal show --status unknown --db airlock-demo.db
     """
-    # A pool that replaces a connection the server dropped logs a warning; the command retries and
-    # reports what matters itself, on one line, so the driver's log lines are not printed.
-    logging.getLogger("psycopg").addHandler(logging.NullHandler())
 
 
 journal.add_command(copy)

@@ -48,7 +48,7 @@ class SecurityPolicy:
             raise TypeError(f"escalate_tools maps tool names or globs to reasons, not {type(escalate_tools).__name__}")
         self.escalate_tools: dict[str, str] = dict(escalate_tools or {})
         for pattern, reason in self.escalate_tools.items():
-            if not isinstance(pattern, str) or not isinstance(reason, str) or not reason.strip():
+            if not isinstance(pattern, str) or not isinstance(reason, str):
                 raise TypeError(f"escalate_tools maps a tool name or glob to the reason to ask, as strings; "
                                 f"not {pattern!r}: {reason!r}")
         if approver is not None and not callable(approver):

@@ -35,7 +35,6 @@ from journal import JournalError, SQLiteJournal
         (lambda: SecurityPolicy(denied_tools=5), "denied_tools takes a list of tool names, not int"),
         (lambda: SecurityPolicy(escalate_tools=["charge"]), "escalate_tools maps tool names or globs to reasons"),
         (lambda: SecurityPolicy(escalate_tools={"charge": None}), "escalate_tools maps a tool name or glob"),
-        (lambda: SecurityPolicy(escalate_tools={"charge": " "}), "escalate_tools maps a tool name or glob"),
         (lambda: SecurityPolicy(approver="alice"), "approver is a function of an OversightRequest"),
         (lambda: SecurityPolicy(effect_guard=InMemoryEffectStore()), "effect_guard is an EffectGuard"),
         (lambda: Airlock(policy=EffectGuard()), "policy is a SecurityPolicy, not EffectGuard"),
@@ -111,7 +110,7 @@ def test_one_context_object_entered_by_many_tasks_at_once() -> None:
 
     async def task(n: int) -> None:
         async with shared:
-            await asyncio.sleep(0.01 * (3 - n))
+            await asyncio.sleep(0.01 * (n + 1))  # the first to enter leaves first: not a stack order
             async with AirlockContext(agent_id="agent-1", metadata={"tool_call_id": f"t{n}"}):
                 await asyncio.sleep(0)
                 context = get_current_context()
