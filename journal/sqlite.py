@@ -674,7 +674,7 @@ class SQLiteJournal(LogReads):
             f"'arguments', {shown['arguments']}, 'value', {shown['value']}, 'error', json(error), "
             "'reason', json(reason), 'actor', actor, 'attempt', attempt, 'owner', json(owner), "
             f"'prev_hash', prev_hash, 'hash', hash, 'redacted', json('{redacted}')), arguments, value "
-            f"FROM events WHERE {where} ORDER BY seq"
+            f"FROM events WHERE {where} AND seq <= ? ORDER BY seq"
         )
         sha256 = hashlib.sha256
         parts: list[str] = []
@@ -703,18 +703,33 @@ class SQLiteJournal(LogReads):
             yield "".join(parts).encode(), count
 
     def _snapshot_rows(self, sql: str, params: Any, batch: int) -> Iterator[list[tuple[Any, ...]]]:
-        """The rows of ``sql``, ``batch`` at a time, on one read transaction of a connection of its
-        own: a consistent snapshot, streamed, that writers do not wait for. Raises sqlite3.Error."""
+        """The rows of ``sql`` (its first column ``seq``; ``params[0]`` the ``seq >`` cursor and its
+        last placeholder ``seq <=`` the head), ``batch`` at a time, on a connection of its own.
+
+        The head is read once; then each page, from the last ``seq`` read up to that head, is a read
+        of its own. The log is append-only with a gapless ``seq``, so the pages are one consistent
+        snapshot; and a reader that stalls between pages (an export into a pager left open) holds
+        no read transaction, which would keep SQLite from checkpointing and grow the WAL for as
+        long as it stalls. Writers never wait for it. Raises sqlite3.Error.
+        """
         with self._lock:
             self._connection()
-        snapshot = self._connect(schema.readonly_uri(self.path), uri=True)
+        reader = self._connect(schema.readonly_uri(self.path), uri=True)
         try:
-            cursor = self._retry(snapshot, lambda: (snapshot.execute("BEGIN"), snapshot.execute(sql, params))[1])
-            while rows := cursor.fetchmany(batch):
-                yield rows
+            head = self._retry(reader, lambda: reader.execute(_SELECT_HEAD).fetchone())
+            if head is None:
+                return
+            paged, after, filters, top = f"{sql} LIMIT {int(batch)}", params[0], list(params[1:]), head[0]
+            while True:
+                rows = self._retry(reader, lambda: reader.execute(paged, (after, *filters, top)).fetchall())
+                if rows:
+                    yield rows
+                if len(rows) < batch:
+                    return
+                after = rows[-1][0]
         finally:
             with contextlib.suppress(sqlite3.Error):
-                snapshot.close()
+                reader.close()
 
     def export_csv(
         self,
@@ -729,14 +744,13 @@ class SQLiteJournal(LogReads):
         """The CSV export of the filtered events, its header first, in batches: (the lines, how many
         events), byte for byte what :meth:`LogReads.export_csv` writes.
 
-        SQLite checks every stored JSON text (``json_valid``), on one read transaction streamed in
-        batches. A stored text that is not JSON raises :class:`JournalError` naming the event.
+        SQLite checks every stored JSON text (``json_valid``), on one snapshot read in pages. A stored text that is not JSON raises :class:`JournalError` naming the event.
         """
         check_redact(redact)
         where, params = _event_filter(call_id, tool, agent_id, since, until, 0)
         checked = " AND ".join(f"({c} IS NULL OR json_valid({c}))" for c in ("arguments", "value", "error", "reason",
                                                                              "owner"))
-        sql = f"SELECT {_EVENT_COLUMNS}, {checked} FROM events WHERE {where} ORDER BY seq"
+        sql = f"SELECT {_EVENT_COLUMNS}, {checked} FROM events WHERE {where} AND seq <= ? ORDER BY seq"
         header = csv_header()  # written with the first lines, so that an export that fails at once writes nothing
         try:
             for rows in self._snapshot_rows(sql, params, _BATCH):

@@ -96,3 +96,27 @@ def test_an_altered_row_of_other_types_is_still_one_csv_line(tmp_path: Path) -> 
     table = list(csv.reader(io.StringIO(fast.decode(), newline="")))
     assert len(table) == 2 and table[1][2] == "12" and table[1][4] == "a,b" and table[1][14] == "one"
     journal.close()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_an_export_whose_reader_stalls_is_a_snapshot_that_does_not_hold_the_wal(tmp_path: Path, fmt: str) -> None:
+    # An export read slowly (into a pager, say) while the guard writes: it holds the events up to
+    # the head it began at, and between its pages no read transaction keeps SQLite from
+    # checkpointing, so the WAL does not grow for as long as the reader stalls.
+    path = tmp_path / "j.db"
+    big = '{"note":"' + "x" * 4000 + '"}'  # about 4 KB an event: a JSON Lines batch is a megabyte
+    with SQLiteJournal(path, durability="process") as journal:
+        for n in range(1, 601):
+            journal.append(EffectEvent("pending", f"c{n}", "charge", attempt=1, arguments=big))
+        head = journal.head()[0]
+        batches = journal.export_csv() if fmt == "csv" else journal.export_lines()
+        first = next(batches)
+        for n in range(601, 651):  # written while the export is half read
+            journal.append(EffectEvent("pending", f"c{n}", "charge", attempt=1, arguments=big))
+        other = sqlite3.connect(path, isolation_level=None)
+        busy, _, _ = other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        other.close()
+        assert busy == 0  # nothing held the WAL: it was checkpointed and cut to nothing
+        assert (path.parent / "j.db-wal").stat().st_size == 0
+        exported = first[1] + sum(count for _, count in batches)
+    assert exported == head == 600
