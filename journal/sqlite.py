@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -111,6 +112,10 @@ def _step_of(request: _Request, conn: sqlite3.Connection) -> Any:
         return request.step(conn)
     except Exception as e:
         raise _StepFailed() from e
+
+
+def _fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any]) -> list[Any]:
+    return conn.execute(sql, params).fetchall()
 
 
 def _busy(e: sqlite3.Error) -> bool:
@@ -721,7 +726,7 @@ class SQLiteJournal(LogReads):
                 return
             paged, after, filters, top = f"{sql} LIMIT {int(batch)}", params[0], list(params[1:]), head[0]
             while True:
-                rows = self._retry(reader, lambda: reader.execute(paged, (after, *filters, top)).fetchall())
+                rows = self._retry(reader, functools.partial(_fetch_all, reader, paged, (after, *filters, top)))
                 if rows:
                     yield rows
                 if len(rows) < batch:
@@ -744,7 +749,8 @@ class SQLiteJournal(LogReads):
         """The CSV export of the filtered events, its header first, in batches: (the lines, how many
         events), byte for byte what :meth:`LogReads.export_csv` writes.
 
-        SQLite checks every stored JSON text (``json_valid``), on one snapshot read in pages. A stored text that is not JSON raises :class:`JournalError` naming the event.
+        SQLite checks every stored JSON text (``json_valid``), on one snapshot read in pages. A stored
+        text that is not JSON raises :class:`JournalError` naming the event.
         """
         check_redact(redact)
         where, params = _event_filter(call_id, tool, agent_id, since, until, 0)
