@@ -24,7 +24,19 @@ def owner_alive(owner: Mapping[str, Any] | None) -> bool:
     try:
         os.kill(pid, 0)
     except PermissionError:
-        return True  # the process exists but belongs to another user
+        return not _zombie(pid)  # the process exists but belongs to another user
     except (ProcessLookupError, OverflowError):
         return False
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """True when ``pid`` has ended but its parent has not reaped it yet (``ps`` shows it
+    ``<defunct>``): it will record nothing more. Known only where ``/proc`` is (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # "pid (comm) state ...": the name may hold spaces and parentheses, the state follows the last ")".
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")

@@ -186,3 +186,35 @@ def test_a_pending_call_whose_owner_died_can_be_resolved(db: Path) -> None:
                     "--db", str(db))
     assert result.exit_code == 0, result.output
     assert rows(db, "SELECT status, value FROM calls WHERE call_id = 'call-crashed'") == [("committed", "null")]
+
+
+def test_a_pending_call_whose_owner_was_killed_but_not_reaped_resolves_without_force(tmp_path: Path) -> None:
+    # A SIGKILLed process its parent has not waited for is a zombie: it still has a pid, but it will
+    # never record an outcome, so it is not an owner that may still finish.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from guard.store import EffectEvent, current_owner
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    path = tmp_path / "j.db"
+    try:
+        owner = {"host": current_owner()["host"], "pid": child.pid}
+        with SQLiteJournal(path, durability="process") as journal:
+            journal.append(EffectEvent("pending", "call-z", "charge", attempt=1, arguments="{}", owner=owner))
+        alive = invoke("journal", "resolve", "call-z", "--not-applied", "--reason", "x", "--db", str(path))
+        assert alive.exit_code == 1 and "is alive on this host" in alive.stderr
+        os.kill(child.pid, signal.SIGKILL)
+        for _ in range(200):  # until the kernel has made it a zombie (not reaped: no wait() yet)
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                if b") Z" in f.read():
+                    break
+            time.sleep(0.01)
+        gone = invoke("journal", "resolve", "call-z", "--not-applied", "--reason", "x", "--db", str(path))
+        assert gone.exit_code == 0, gone.stderr
+    finally:
+        child.kill()
+        child.wait()
