@@ -20,6 +20,7 @@ from click.core import ParameterSource
 from journal import open_journal
 from journal.chain import verify_lines
 from journal.events import REDACTABLE
+from journal.projection import fold
 
 from . import render
 from .export import NotJsonLines, read_export, write_events
@@ -128,10 +129,25 @@ def show(
         click.echo(f"(the newest {limit}; pass --limit for more)", err=True)
 
 
+def _call_and_events(j: Any, call_id: str) -> tuple[Any, list[Any]]:
+    """The call's record and its events as of one moment, while writers go on.
+
+    The record is read before and after the events: when both reads agree, no event that moves
+    the record came in meanwhile, so the events show how the record came to be. A call that keeps
+    changing faster than that is shown as the fold of the events read.
+    """
+    for _ in range(10):
+        before = j.call(call_id)
+        events = j.call_events(call_id)
+        after = j.call(call_id)
+        if before == after:
+            return after, events
+    return fold(events).get(call_id), events
+
+
 def _show_call(call_id: str, as_json: bool, db: str) -> None:
     with open_journal(db, readonly=True, create=False) as j:
-        record = j.call(call_id)
-        events = j.call_events(call_id)
+        record, events = _call_and_events(j, call_id)
     if record is None and not events:
         raise click.ClickException(f"no call {call_id!r} in the journal {describe(db)}")
     if as_json:

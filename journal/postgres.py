@@ -668,10 +668,12 @@ class PostgresJournal(LogReads):
         """What :meth:`events` gives, as the stored rows (columns of ``journal.rows.EVENT_COLUMNS``),
         for exports that stream millions."""
         where, params = self._event_filter(call_id, tool, agent_id, since, until)
-        sql = f"{_EVENT_SELECT} WHERE seq > %s{where} ORDER BY seq LIMIT {_BATCH}"
+        # Up to the head as it is now: a reader never chases writers that keep appending.
+        head = int(self._read("read the events", "SELECT coalesce(max(seq), 0) FROM events")[0][0])
+        sql = f"{_EVENT_SELECT} WHERE seq > %s AND seq <= %s{where} ORDER BY seq LIMIT {_BATCH}"
         last = after_seq
         while True:
-            rows = self._read("read the events", sql, [last, *params])
+            rows = self._read("read the events", sql, [last, head, *params])
             yield from rows
             if len(rows) < _BATCH:
                 return

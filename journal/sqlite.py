@@ -643,7 +643,12 @@ class SQLiteJournal(LogReads):
         """What :meth:`events` gives, as the stored rows (columns of ``journal.rows.EVENT_COLUMNS``:
         ``at`` and the JSON fields as their stored text), for exports that stream millions."""
         where, params = _event_filter(call_id, tool, agent_id, since, until, after_seq)
-        sql = f"SELECT {_EVENT_COLUMNS} FROM events WHERE {where} ORDER BY seq LIMIT {_BATCH}"
+        # Up to the head as it is now: a reader never chases writers that keep appending.
+        head = self._read(lambda c: c.execute(_SELECT_HEAD).fetchone())
+        if head is None:
+            return
+        params.append(head[0])
+        sql = f"SELECT {_EVENT_COLUMNS} FROM events WHERE {where} AND seq <= ? ORDER BY seq LIMIT {_BATCH}"
         while True:
             rows = self._read(lambda c: c.execute(sql, params).fetchall())
             yield from rows

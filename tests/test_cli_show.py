@@ -263,3 +263,51 @@ def test_on_a_terminal_the_table_fits_its_width_and_is_coloured(db: Path) -> Non
     assert code == 0 and "\x1b[" not in plain and render.ELLIPSIS in plain
     piped = invoke("journal", "show", "--db", str(db))
     assert long_id in piped.stdout
+
+
+def test_show_call_id_gives_a_state_that_its_events_explain_while_a_writer_goes_on(tmp_path: Path) -> None:
+    # Another process keeps one call moving (pending, released, pending again, ...): every `show
+    # CALL_ID --json` must print the state that the fold of the events it prints gives.
+    import subprocess
+    import sys
+    import time
+
+    from guard.store import apply
+
+    path = tmp_path / "j.db"
+    SQLiteJournal(path).close()
+    flipper = subprocess.Popen([sys.executable, "-c", f"""
+from guard import Airlock, AirlockContext, SecurityPolicy
+from guard.effect_guard import EffectGuard, reversibility
+import time
+from journal import SQLiteJournal
+journal = SQLiteJournal({str(path)!r}, durability="process")
+@reversibility("reversible")
+@Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+def flip() -> None:
+    raise ValueError("declined")  # released: the next call runs it again, attempt + 1
+while True:
+    with AirlockContext(metadata={{"tool_call_id": "flip-1"}}):
+        try:
+            flip()
+        except ValueError:
+            pass
+    time.sleep(0.001)
+"""])
+    try:
+        deadline = time.monotonic() + 30
+        while SQLiteJournal(path, readonly=True).head()[0] < 100 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(10):
+            result = invoke("journal", "show", "flip-1", "--json", "--db", str(path))
+            assert result.exit_code == 0, result.output
+            shown = orjson.loads(result.stdout)
+            record = None
+            for event in SQLiteJournal(path, readonly=True).call_events("flip-1"):
+                if event.seq <= shown["events"][-1]["seq"]:
+                    record = apply(record, event.to_effect_event(), event.seq)
+            assert record is not None
+            assert (shown["status"], shown["attempt"]) == (record.status, record.attempt)
+    finally:
+        flipper.kill()
+        flipper.wait()

@@ -459,3 +459,14 @@ def test_a_replay_of_another_call_is_two_statements_and_takes_no_lock(
     assert (len(statements), locked) == (5, [])
     assert [e.kind for e in journal.call_events("c0")] == ["pending", "committed", "replayed"]
     assert journal.verify().ok
+
+
+def test_reading_the_events_stops_at_the_head_it_began_at(journal: PostgresJournal) -> None:
+    # A reader of a log that writers keep appending to ends (it does not chase them).
+    for _ in range(1200):
+        journal.append(EffectEvent("refused", None, "charge", reason={"code": "policy_violation", "message": "x"}))
+    events = journal.events()
+    first = next(events)
+    for _ in range(300):
+        journal.append(EffectEvent("refused", None, "charge", reason={"code": "policy_violation", "message": "x"}))
+    assert [first.seq, *(e.seq for e in events)] == list(range(1, 1201))

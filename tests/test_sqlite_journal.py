@@ -120,7 +120,9 @@ def test_events_of_a_long_log_are_not_loaded_whole(journal: SQLiteJournal) -> No
     first = next(stream)
     journal.append(event("pending", "late"))  # a writer between batches is not blocked by the reader
     rest = list(stream)
-    assert first.seq == 1 and rest[-1].call_id == "late" and len(rest) == 1500
+    # The stream ends at the head it began at; what came later is read from there on.
+    assert first.seq == 1 and rest[-1].seq == 1500 and len(rest) == 1499
+    assert [e.call_id for e in journal.events(after_seq=1500)] == ["late"]
 
 
 def test_head_and_stats(journal: SQLiteJournal) -> None:
@@ -572,3 +574,16 @@ def test_a_reversible_call_run_again_after_unknown_has_its_pending_fsynced(tmp_p
     assert journal.get("g1").attempt == 2
     assert [e.kind for e in journal.call_events("g1")] == ["pending", "unknown", "pending", "committed"]
     journal.close()
+
+
+def test_reading_the_events_stops_at_the_head_it_began_at(tmp_path: Path) -> None:
+    # A reader of a log that writers keep appending to ends (it does not chase them): `show CALL_ID`
+    # of a call that keeps changing used to read for as long as the call kept changing.
+    with SQLiteJournal(tmp_path / "j.db", durability="process") as journal:
+        for n in range(1, 1201):
+            journal.append(EffectEvent("pending", "hot", "charge", attempt=n, arguments="{}"))
+        events = journal.events(call_id="hot")
+        first = next(events)
+        for n in range(1201, 1501):
+            journal.append(EffectEvent("pending", "hot", "charge", attempt=n, arguments="{}"))
+        assert [first.seq, *(e.seq for e in events)] == list(range(1, 1201))
