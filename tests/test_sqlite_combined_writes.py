@@ -6,6 +6,7 @@ the others, and the log, as if it had never been tried.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -131,8 +132,6 @@ def test_many_threads_on_one_journal_run_each_tool_once(journal: SQLiteJournal) 
 
 
 def test_a_batch_that_waits_out_the_busy_deadline_fails_at_it_not_once_a_write(tmp_path: Path) -> None:
-    import sqlite3
-
     from journal import StoreBusy
 
     journal = SQLiteJournal(tmp_path / "j.db", durability="process", busy_timeout=1.0)
@@ -153,19 +152,24 @@ def test_a_batch_that_waits_out_the_busy_deadline_fails_at_it_not_once_a_write(t
     journal.close()
 
 
-def test_threads_queued_behind_a_blocked_writer_are_refused_at_their_own_deadline(tmp_path: Path) -> None:
-    # The busy deadline counts from each call's start: threads that queued behind a writer stuck on
-    # another process's lock are not given a second deadline of their own once it fails.
-    import sqlite3
-
+def _locked_by_another_process(tmp_path: Path) -> tuple[SQLiteJournal, Any, sqlite3.Connection]:
+    """A journal with a 1 s busy deadline, a guarded tool on it, and another connection that holds
+    its write lock (ROLLBACK it to let go)."""
     journal = SQLiteJournal(tmp_path / "j.db", durability="process", busy_timeout=1.0)
 
     @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
-    def charge(n: int) -> int:
+    def pay(n: int) -> int:
         return n
 
     other = sqlite3.connect(journal.path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")
+    return journal, pay, other
+
+
+def test_threads_queued_behind_a_blocked_writer_are_refused_at_their_own_deadline(tmp_path: Path) -> None:
+    # The busy deadline counts from each call's start: threads that queued behind a writer stuck on
+    # another process's lock are not given a second deadline of their own once it fails.
+    journal, charge, other = _locked_by_another_process(tmp_path)
     took: list[float] = [0.0] * 8
     results: list[Any] = [None] * 8
     start = threading.Barrier(8)
@@ -196,16 +200,7 @@ def test_threads_queued_behind_a_blocked_writer_are_refused_at_their_own_deadlin
 def test_a_thread_that_queued_late_waits_its_own_deadline_not_the_batchs(tmp_path: Path) -> None:
     # A starts at 0, B at 0.3 s, C at 0.9 s, each with 1 s to wait; another process holds the lock
     # until 1.6 s. A and B are refused at their deadlines (1.0 and 1.3 s); C gets its turn at 1.6 s.
-    import sqlite3
-
-    journal = SQLiteJournal(tmp_path / "j.db", durability="process", busy_timeout=1.0)
-
-    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
-    def pay(n: int) -> int:
-        return n
-
-    other = sqlite3.connect(journal.path, isolation_level=None)
-    other.execute("BEGIN IMMEDIATE")
+    journal, pay, other = _locked_by_another_process(tmp_path)
     results: dict[str, Any] = {}
 
     def call(name: str, delay: float) -> None:
