@@ -619,8 +619,8 @@ class PostgresJournal(LogReads):
         since: datetime | None = None,
         limit: int | None = 50,
     ) -> list[CallRecord]:
-        """Calls newest first (by ``updated_at``, then ``call_id``), filtered by status, tool, agent and
-        ``updated_at >= since``; at most ``limit`` (None: all)."""
+        """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status,
+        tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
         where, params = [], []
         for column, value in (("status", status), ("tool", tool), ("agent_id", agent_id)):
             if value is not None:
@@ -630,7 +630,7 @@ class PostgresJournal(LogReads):
             where.append("updated_at >= %s")
             params.append(format_at(since))
         sql = _CALL_SELECT + (" WHERE " + " AND ".join(where) if where else "")
-        sql += " ORDER BY updated_at DESC, call_id"
+        sql += " ORDER BY updated_at DESC, call_id DESC"
         if limit is not None:
             if limit < 0:
                 raise ValueError(f"limit is a number of calls, 0 or more, not {limit}")

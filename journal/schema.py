@@ -118,9 +118,19 @@ def _v2_no_replace(conn: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _create_v1, 2: _v2_no_replace}
+def _v3_updated_at_ascending(conn: sqlite3.Connection) -> None:
+    # Descending, every new entry goes to the index's leftmost leaf, which SQLite splits and
+    # rebalances with its siblings about every other insert (four pages written, not one);
+    # ascending, entries are appended at the right edge, and newest-first reads scan it backwards.
+    conn.execute("DROP INDEX calls_updated_at")
+    conn.execute("CREATE INDEX calls_updated_at ON calls (updated_at, call_id)")
+
+
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    1: _create_v1, 2: _v2_no_replace, 3: _v3_updated_at_ascending,
+}
 LATEST = max(MIGRATIONS)
-# The oldest version a read-only open can read as it is (version 2 only added a trigger).
+# The oldest version a read-only open can read as it is (versions 2 and 3 changed no table).
 READABLE_FROM = 1
 
 

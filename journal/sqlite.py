@@ -611,8 +611,8 @@ class SQLiteJournal(LogReads):
         since: datetime | None = None,
         limit: int | None = 50,
     ) -> list[CallRecord]:
-        """Calls newest first (by ``updated_at``, then ``call_id``), filtered by status, tool, agent and
-        ``updated_at >= since``; at most ``limit`` (None: all)."""
+        """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status,
+        tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
         clauses: list[str] = ["1"]
         params: list[Any] = []
         for column, wanted in (("status", status), ("tool", tool), ("agent_id", agent_id)):
@@ -622,7 +622,7 @@ class SQLiteJournal(LogReads):
         if since is not None:
             clauses.append("updated_at >= ?")
             params.append(format_at(since))
-        sql = f"SELECT {_CALL_COLUMNS} FROM calls WHERE {' AND '.join(clauses)} ORDER BY updated_at DESC, call_id"
+        sql = f"SELECT {_CALL_COLUMNS} FROM calls WHERE {' AND '.join(clauses)} ORDER BY updated_at DESC, call_id DESC"
         if limit is not None:
             if limit < 0:
                 raise ValueError(f"limit is a number of calls, 0 or more, not {limit}")

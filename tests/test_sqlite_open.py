@@ -7,7 +7,9 @@ import os
 import re
 import sqlite3
 import stat
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -366,3 +368,48 @@ def test_a_version_1_journal_gains_the_replace_guard(tmp_path: Path, monkeypatch
             conn.execute(f"{verb} events VALUES ({','.join('?' * len(row))})", forged)
     assert conn.execute("SELECT tool FROM events WHERE seq = 1").fetchone() == (row[4],)
     conn.close()
+
+
+def test_a_version_2_journal_gets_the_ascending_index_and_lists_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from journal import schema
+
+    path = tmp_path / "j.db"
+    monkeypatch.setattr(schema, "LATEST", 2)
+    with SQLiteJournal(path, durability="process") as j:
+        for n in range(5):
+            j.append(pending(f"c{n}"))
+    monkeypatch.undo()
+    before = digest(path)
+    with SQLiteJournal(path, readonly=True) as j:  # readable as it is, and left as it was
+        old_order = [c.call_id for c in j.calls()]
+        assert old_order == ["c4", "c3", "c2", "c1", "c0"]
+        assert [c.call_id for c in j.calls(status="pending", limit=2)] == ["c4", "c3"]
+    assert digest(path) == before
+    with SQLiteJournal(path) as j:
+        assert [c.call_id for c in j.calls()] == old_order
+        assert j.verify().ok
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone() == (LATEST,)
+    sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'calls_updated_at'").fetchone()[0]
+    assert "DESC" not in sql and "(updated_at, call_id)" in sql
+    conn.close()
+
+
+@pytest.mark.parametrize("filters", [{}, {"status": "unknown"}, {"tool": "pay", "agent_id": "a1"},
+                                     {"since": datetime(2026, 1, 1, tzinfo=UTC)}])
+def test_newest_first_reads_walk_the_index_without_sorting(tmp_path: Path, filters: dict[str, Any]) -> None:
+    # What `airlock journal show` runs must stop after --limit rows, not sort every call first.
+    path = tmp_path / "j.db"
+    make_journal(path)
+    with SQLiteJournal(path) as j:
+        statements: list[str] = []
+        j._conn.set_trace_callback(statements.append)
+        j.calls(**filters)
+        j._conn.set_trace_callback(None)
+    select = next(s for s in statements if s.startswith("SELECT") and "FROM calls" in s)
+    conn = sqlite3.connect(path)
+    details = " | ".join(row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {select}"))
+    conn.close()
+    assert "calls_updated_at" in details and "TEMP B-TREE" not in details, details
