@@ -61,6 +61,13 @@ _INHERITED: list[sqlite3.Connection] = []
 _FORKS = [0]  # how many forks this process descends from: a change means the connection was inherited
 
 
+def _settle(conn: sqlite3.Connection) -> None:
+    """End a transaction that an interrupt (KeyboardInterrupt, an exception from a signal handler)
+    left open on ``conn``, holding the file's write lock, before the connection is used again."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+
+
 def _forked() -> None:
     _FORKS[0] += 1
 
@@ -383,11 +390,13 @@ class SQLiteJournal(LogReads):
         try:
             while True:
                 try:
+                    _settle(conn)
                     if self._sync != sync:
+                        self._sync = None  # unknown until the PRAGMA has run, should it be interrupted
                         conn.execute(f"PRAGMA synchronous = {sync}")
                         self._sync = sync
-                    conn.execute("BEGIN IMMEDIATE")
                     try:
+                        conn.execute("BEGIN IMMEDIATE")
                         result = body(conn)
                         conn.execute("COMMIT")
                     except BaseException:
@@ -473,7 +482,7 @@ class SQLiteJournal(LogReads):
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
             conn = self._connection()
-            return self._retry(conn, lambda: body(conn))
+            return self._retry(conn, lambda: (_settle(conn), body(conn))[1])
 
     # -- the EffectStore protocol --------------------------------------------------------------
 
