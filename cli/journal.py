@@ -28,6 +28,9 @@ from .options import MOMENT, FieldList, Group, db_option, describe, json_option
 
 STATUSES = ("pending", "committed", "unknown", "released")
 
+# More calls than any journal holds, and within the 64-bit integers SQL takes for LIMIT.
+MOST_CALLS = 2**62
+
 
 @click.group(cls=Group)
 def journal() -> None:
@@ -110,7 +113,8 @@ def show(
         _show_call(call_id, as_json, db)
         return
     with open_journal(db, readonly=True, create=False) as j:
-        # One more than asked for tells whether the list was cut at --limit.
+        # One more than asked for tells whether the list was cut at --limit; a larger --limit is all.
+        limit = min(limit, MOST_CALLS)
         records = j.calls(status=status, tool=tool, agent_id=agent_id, since=since, limit=limit + 1)
         cut = len(records) > limit
         records = records[:limit]

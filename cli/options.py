@@ -129,17 +129,27 @@ class Moment(click.ParamType):
             return value
         text = str(value).strip()
         relative = _RELATIVE.match(text)
-        if relative:
-            amount, unit = int(relative.group(1)), relative.group(2).lower()
-            return datetime.now(UTC) - timedelta(**{_UNITS[unit]: amount})
         try:
-            return parse_at(text)
+            if relative:
+                amount, unit = int(relative.group(1)), relative.group(2).lower()
+                at = datetime.now(UTC) - timedelta(**{_UNITS[unit]: amount})
+            else:
+                at = parse_at(text)
+        except OverflowError:  # beyond datetime's years 1 to 9999, once in UTC
+            at = None
         except ValueError:
-            self.fail(
-                f"{value!r} is not a time: give ISO-8601 (2026-12-01T05:00:00Z) or an age like 10m, 2h, 3d",
-                param,
-                ctx,
-            )
+            if relative:  # an age of more digits than int() reads
+                at = None
+            else:
+                self.fail(
+                    f"{value!r} is not a time: give ISO-8601 (2026-12-01T05:00:00Z) or an age like 10m, 2h, 3d",
+                    param,
+                    ctx,
+                )
+        # Stored times compare as text, which holds only for four-digit years.
+        if at is None or not 1000 <= at.year <= 9999:
+            self.fail(f"{value!r} is out of range: give a time in the years 1000 to 9999 (UTC)", param, ctx)
+        return at
 
 
 MOMENT = Moment()
