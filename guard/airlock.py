@@ -477,8 +477,14 @@ class Airlock:
                 call.returned(result)
                 return result
 
+        def retag() -> None:
+            # A @reversibility or @requires put on above this wrapper after its first call.
+            if cache:
+                cache[0] = _Tool(fn, wrapper)
+
         wrapper.__airlock__ = self  # type: ignore[attr-defined]
         wrapper.__airlock_tool__ = tool  # type: ignore[attr-defined]
+        wrapper.__airlock_retag__ = retag  # type: ignore[attr-defined]
         return cast(F, wrapper)
 
 

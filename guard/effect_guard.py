@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
 from .canonical import idempotency_key
@@ -29,12 +29,17 @@ __all__ = [
     "idempotency_key",
     "reversibility",
     "reversibility_of",
+    "tag_along",
+    "wrapped_chain",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 Reversibility = Literal["reversible", "costly", "irreversible"]
 _RANK = {"reversible": 0, "costly": 1, "irreversible": 2}
 _REVERSIBILITY_ATTR = "__airlock_reversibility__"
+# What @Airlock sets on its wrapper (functools.wraps copies both onto a decorator above it).
+_GUARDED_ATTR = "__airlock_tool__"
+_RETAG_ATTR = "__airlock_retag__"
 # An enum member costs a class attribute lookup each time on Python 3.11; the hot path keeps them.
 _RUN, _REPLAY, _REFUSE = Verdict.RUN, Verdict.REPLAY, Verdict.REFUSE
 
@@ -60,26 +65,58 @@ def reversibility(tag: Reversibility) -> Callable[[F], F]:
     if not isinstance(tag, str) or tag not in _RANK:
         raise ValueError(f"reversibility takes 'reversible', 'costly' or 'irreversible', not {tag!r}")
 
+    def stricter(previous: Any) -> Any:
+        return tag if previous not in _RANK or _RANK[tag] > _RANK[previous] else previous
+
     def mark(fn: F) -> F:
-        previous = getattr(fn, _REVERSIBILITY_ATTR, None)
-        if previous is None or _RANK[tag] > _RANK[previous]:
-            setattr(fn, _REVERSIBILITY_ATTR, tag)
+        tag_along(fn, _REVERSIBILITY_ATTR, stricter)
         return fn
 
     return mark
 
 
-def reversibility_of(fn: Callable[..., Any]) -> Reversibility:
-    """The strictest tag along the ``__wrapped__`` chain; an untagged tool is irreversible."""
-    best: str | None = None
+def wrapped_chain(fn: Callable[..., Any]) -> Iterator[Any]:
+    """``fn`` and each object along its ``__wrapped__`` chain, each once."""
     seen: set[int] = set()
     obj: Any = fn
     while obj is not None and id(obj) not in seen:
         seen.add(id(obj))
+        yield obj
+        obj = getattr(obj, "__wrapped__", None)
+
+
+def tag_along(fn: Callable[..., Any], attr: str, merge: Callable[[Any], Any]) -> None:
+    """Set ``attr`` of ``fn`` to ``merge(its current value)``, and the same on each ``@Airlock``
+    wrapper along its ``__wrapped__`` chain.
+
+    A tag put above ``@Airlock`` with another decorator in between is on no object the guard
+    reads from its own wrapper down; so it is recorded on that wrapper too, and a guard that has
+    already read its tags (at its first call) reads them again.
+    """
+    for obj in wrapped_chain(fn):
+        own = getattr(obj, "__dict__", None)
+        if not isinstance(own, dict):
+            own = {}
+        guarded = _GUARDED_ATTR in own
+        if obj is not fn and not guarded:
+            continue
+        previous = getattr(obj, attr, None)
+        value = merge(previous)
+        if value != previous:
+            setattr(obj, attr, value)
+            if guarded:
+                retag = own.get(_RETAG_ATTR)
+                if callable(retag):
+                    retag()
+
+
+def reversibility_of(fn: Callable[..., Any]) -> Reversibility:
+    """The strictest tag along the ``__wrapped__`` chain; an untagged tool is irreversible."""
+    best: str | None = None
+    for obj in wrapped_chain(fn):
         tag = getattr(obj, _REVERSIBILITY_ATTR, None)
         if tag in _RANK and (best is None or _RANK[tag] > _RANK[best]):
             best = tag
-        obj = getattr(obj, "__wrapped__", None)
     result: Reversibility = "irreversible" if best is None else best  # type: ignore[assignment]
     return result
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
-from .effect_guard import EffectGuard
+from .effect_guard import EffectGuard, tag_along, wrapped_chain
 from .oversight import Approver
 
 __all__ = ["SecurityPolicy", "required_capabilities", "requires"]
@@ -115,9 +115,11 @@ def requires(*capabilities: str) -> Callable[[F], F]:
         if not isinstance(cap, str) or not cap:
             raise ValueError(f"a capability is a non-empty string, not {cap!r}")
 
+    def union(existing: Any) -> frozenset[str]:
+        return frozenset(existing or ()) | frozenset(capabilities)
+
     def mark(fn: F) -> F:
-        existing = frozenset(getattr(fn, _REQUIRES_ATTR, ()))
-        setattr(fn, _REQUIRES_ATTR, existing | frozenset(capabilities))
+        tag_along(fn, _REQUIRES_ATTR, union)
         return fn
 
     return mark
@@ -126,10 +128,6 @@ def requires(*capabilities: str) -> Callable[[F], F]:
 def required_capabilities(fn: Callable[..., Any]) -> frozenset[str]:
     """Every capability named along the ``__wrapped__`` chain."""
     found: set[str] = set()
-    seen: set[int] = set()
-    obj: Any = fn
-    while obj is not None and id(obj) not in seen:
-        seen.add(id(obj))
+    for obj in wrapped_chain(fn):
         found.update(getattr(obj, _REQUIRES_ATTR, ()))
-        obj = getattr(obj, "__wrapped__", None)
     return frozenset(found)

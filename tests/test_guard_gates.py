@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from typing import Any
 
@@ -515,6 +516,65 @@ def test_reversibility_tags() -> None:
             tool("a")
         assert tool("a")["block_reason"] == "effect_status_unknown"
     assert runs == [1]
+
+
+def logged(fn: Any) -> Any:
+    """An ordinary decorator, of the kind a host puts between a tag and @Airlock."""
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return inner
+
+
+def test_a_stricter_tag_above_another_decorator_keeps_the_tool_from_running_twice() -> None:
+    runs: list[int] = []
+
+    @reversibility("irreversible")
+    @logged
+    @reversibility("reversible")
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard()))
+    def pay(cents: int) -> None:
+        runs.append(cents)
+        raise TimeoutError("response lost")  # the charge may have happened
+
+    with ctx("pay-1"):
+        with pytest.raises(TimeoutError):
+            pay(500)
+        refusal = pay(500)
+    assert refusal["block_reason"] == "effect_status_unknown"
+    assert runs == [500]
+
+
+def test_requires_above_another_decorator_is_asked_for() -> None:
+    runs: list[str] = []
+
+    @requires("admin")
+    @logged
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard()))
+    def wipe_db() -> str:
+        runs.append("wiped")
+        return "wiped"
+
+    with ctx("wipe-1"):
+        refusal = wipe_db()
+    assert refusal["block_reason"] == "capability_denied"
+    assert refusal["metadata"]["missing_capabilities"] == ["admin"]
+    assert runs == []
+
+
+def test_a_tag_put_on_after_the_first_call_is_read() -> None:
+    def charge(cents: int) -> int:
+        return cents
+
+    guarded = Airlock(policy=SecurityPolicy(effect_guard=EffectGuard()))(charge)
+    with ctx("before"):
+        assert guarded(1) == 1
+    wrapped = requires("payments:write")(logged(guarded))
+    with ctx("after"):
+        assert wrapped(2)["block_reason"] == "capability_denied"
+        assert guarded(2)["block_reason"] == "capability_denied"  # one tool, one set of tags
 
 
 def test_effect_guard_default_store_is_fresh_per_guard() -> None:
