@@ -149,6 +149,14 @@ class _ConnectionLost(JournalError):
     """The connection died during a write whose COMMIT may have reached the server."""
 
 
+class _InDoubt(Exception):
+    """A one-statement append whose connection died before it answered, not found afterwards."""
+
+    def __init__(self, event: JournalEvent) -> None:
+        super().__init__(event.seq)
+        self.event = event
+
+
 @dataclass(frozen=True, slots=True)
 class _Head:
     seq: int
@@ -481,12 +489,22 @@ class PostgresJournal(LogReads):
         return stored, _Head(stored.seq, stored.hash, head.generation), record
 
     def _locked_write(self, doing: str, call_id: str | None,
-                      choose: Callable[[CallRecord | None], EffectEvent]) -> JournalEvent:
-        """One transaction: lock the head, read the record, ``choose`` the event, append it."""
+                      choose: Callable[[CallRecord | None], EffectEvent],
+                      doubt: JournalEvent | None = None) -> JournalEvent:
+        """One transaction: lock the head, read the record, ``choose`` the event, append it.
+
+        ``doubt`` is an event whose one-statement append was cut off with its connection: once the
+        head is locked, that statement has committed (and is found: it is returned, nothing more is
+        written) or it never will (its compare-and-set finds the head moved).
+        """
         known = self._recent[0] if self._recent is not None else None
 
         def work(conn: Conn) -> tuple[JournalEvent, _Head, CallRecord | None]:
             head, record = self._lock_and_read(conn, call_id)
+            if doubt is not None and head.seq >= doubt.seq and conn.execute(
+                "SELECT 1 FROM events WHERE seq = %s AND hash = %s", (doubt.seq, doubt.hash)
+            ).fetchone():
+                return doubt, head, record
             if known is not None and head != known:
                 self._skip_cas = _SKIP_AFTER_CONFLICT  # others write too: wait for the lock a while
             event = choose(record)
@@ -516,9 +534,11 @@ class PostgresJournal(LogReads):
         try:
             result = self._single_statement(doing, statement, (*params, event.call_id))
         except _ConnectionLost:
-            # In doubt: the compare-and-set either committed whole or not at all; look for it.
+            # In doubt: the compare-and-set either committed whole or not at all; look for it. Not
+            # found yet, it may still be waiting on the server for the head's lock: the caller's
+            # locked write looks again once it holds that lock (see _locked_write).
             if not self._read(doing, "SELECT 1 FROM events WHERE seq = %s AND hash = %s", (stored.seq, stored.hash)):
-                return None, None
+                raise _InDoubt(stored) from None
             result = (1,)
         assert result is not None  # the chain_head row is always there
         if result[0] != 1:
@@ -540,6 +560,8 @@ class PostgresJournal(LogReads):
         doing = "record the call"
         self._check_writable(doing)
         recent = self._recent
+        doubt: JournalEvent | None = None
+        doubted: Decision | None = None
         if recent is not None and self._skip_cas <= 0:
             head, known_id, record = recent
             absent: str | None = None if known_id == call_id else call_id
@@ -547,7 +569,11 @@ class PostgresJournal(LogReads):
                 record = None  # decided as for a call never seen; the append checks that it is not
             for _ in range(2):
                 decision = decide(record)
-                stored, seen = self._try_append(head, record, decision.event, doing, absent=absent)
+                try:
+                    stored, seen = self._try_append(head, record, decision.event, doing, absent=absent)
+                except _InDoubt as e:
+                    doubt, doubted = e.event, decision
+                    break
                 if stored is not None:
                     return decision
                 if seen is None:
@@ -562,7 +588,8 @@ class PostgresJournal(LogReads):
             decisions[:] = [decide(record)]
             return decisions[0].event
 
-        self._locked_write(doing, call_id, choose)
+        if self._locked_write(doing, call_id, choose, doubt) is doubt and doubted is not None:
+            return doubted  # the cut-off append had committed: that is the decision recorded
         return decisions[0]
 
     def append(self, event: EffectEvent) -> None:
@@ -573,6 +600,7 @@ class PostgresJournal(LogReads):
         """:meth:`append`, returning the event as stored (with its ``seq`` and ``hash``)."""
         doing = f"record the {event.kind} event"
         self._check_writable(doing)
+        doubt: JournalEvent | None = None
         recent = self._recent
         if recent is not None and self._skip_cas <= 0:
             # This object wrote last: if it still did, its head and the call's record are current.
@@ -580,14 +608,18 @@ class PostgresJournal(LogReads):
             if call_id == event.call_id or event.call_id is None or event.kind in _NO_RECORD_NEEDED:
                 attempt_record = record if call_id == event.call_id else None
                 for _ in range(2):
-                    stored, seen = self._try_append(head, attempt_record, event, doing)
+                    try:
+                        stored, seen = self._try_append(head, attempt_record, event, doing)
+                    except _InDoubt as e:
+                        doubt = e.event
+                        break
                     if stored is not None:
                         return stored
                     if seen is None:
                         break
                     head, attempt_record = seen
         self._skip_cas = max(0, self._skip_cas - 1)
-        return self._locked_write(doing, event.call_id, lambda record: event)
+        return self._locked_write(doing, event.call_id, lambda record: event, doubt)
 
     def _check_writable(self, doing: str) -> None:
         if self.readonly:

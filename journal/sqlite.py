@@ -482,7 +482,12 @@ class SQLiteJournal(LogReads):
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
             conn = self._connection()
-            return self._retry(conn, lambda: (_settle(conn), body(conn))[1])
+
+            def settled() -> T:
+                _settle(conn)
+                return body(conn)
+
+            return self._retry(conn, settled)
 
     # -- the EffectStore protocol --------------------------------------------------------------
 

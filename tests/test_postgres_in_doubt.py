@@ -1,0 +1,135 @@
+"""PostgresJournal when a connection is cut while its statement still runs on the server."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from guard.store import Decision, EffectEvent, Verdict
+from journal.postgres import PostgresJournal
+from tests.pgserver import PgServer
+
+
+class CuttingProxy:
+    """A TCP relay to the server whose client sides can be reset (as a NAT or a load balancer
+    does), leaving the server's side, and the statement running there, alive."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.clients: list[socket.socket] = []
+        self.servers: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            self.clients.append(client)
+            self.servers.append(upstream)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+
+    def cut_clients(self) -> None:
+        for client in self.clients:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            try:
+                client.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            client.close()
+        self.clients = []
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.servers:
+            s.close()
+
+
+@pytest.fixture
+def proxied(pg_server: PgServer, pg_dsn: str) -> Any:
+    if not pg_server.port or f":{pg_server.port}/" not in pg_dsn:
+        pytest.skip("needs the managed server's port in the DSN")
+    PostgresJournal(pg_dsn).close()  # the schema, made directly
+    proxy = CuttingProxy(pg_server.port)
+    journal = PostgresJournal(pg_dsn.replace(f":{pg_server.port}/", f":{proxy.port}/"), pool_size=1, busy_timeout=10)
+    yield journal, proxy
+    journal.close()
+    proxy.close()
+
+
+def events_of(dsn: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT seq, kind, call_id, attempt FROM events ORDER BY seq").fetchall()
+
+
+def cut_while_waiting_for_the_head(pg_dsn: str, proxy: CuttingProxy, write: Any) -> Any:
+    """Run ``write`` while another transaction holds the chain's head, cut its connection while
+    its statement waits on the server for that lock, then let the lock go."""
+    blocker = psycopg.connect(pg_dsn)
+    blocker.execute("SELECT * FROM chain_head FOR UPDATE")
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = write()
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["value"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)  # the one-statement append waits on the server for the head row
+    proxy.cut_clients()
+    time.sleep(1.0)  # the journal found nothing yet and went the locked way, which waits too
+    blocker.rollback()
+    blocker.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    return result["value"]
+
+
+def test_an_outcome_cut_off_in_doubt_is_appended_once(proxied: Any, pg_dsn: str) -> None:
+    journal, proxy = proxied
+    journal.append(EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}", idempotency_key="k"))
+    stored = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.append_event(
+        EffectEvent("committed", "c1", "pay", attempt=1, value='{"ok":1}')))
+    assert not isinstance(stored, Exception), stored
+    assert events_of(pg_dsn) == [(1, "pending", "c1", 1), (2, "committed", "c1", 1)]
+    assert stored.seq == 2
+    assert journal.get("c1").status == "committed"
+    assert journal.verify().ok
+
+
+def test_a_pending_cut_off_in_doubt_is_recorded_once(proxied: Any, pg_dsn: str) -> None:
+    journal, proxy = proxied
+    journal.append(EffectEvent("refused", None, "pay", attempt=0, reason={"code": "x", "message": "m"}))
+
+    def decide(record: Any) -> Decision:
+        if record is None:
+            return Decision(Verdict.RUN, EffectEvent("pending", "c2", "pay", attempt=1, arguments="{}"))
+        return Decision(Verdict.REFUSE, EffectEvent("refused", "c2", "pay", attempt=record.attempt,
+                                                    reason={"code": "effect_status_unknown", "message": "m"}))
+
+    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("c2", decide))
+    assert not isinstance(decision, Exception), decision
+    assert decision.verdict == Verdict.RUN  # the pending this caller made, not a refusal by its own record
+    assert events_of(pg_dsn) == [(1, "refused", None, 0), (2, "pending", "c2", 1)]
+    assert journal.verify().ok
