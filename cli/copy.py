@@ -9,7 +9,7 @@ import click
 from journal.copy import CopyReport, copy_journal
 from journal.errors import JournalNotFound
 
-from .options import then
+from .options import journal_target, then
 
 
 def _same(source: str, destination: str) -> bool:
@@ -17,9 +17,9 @@ def _same(source: str, destination: str) -> bool:
 
 
 @click.command()
-@click.option("--from", "source", required=True, metavar="PATH_OR_URL",
+@click.option("--from", "source", required=True, metavar="PATH_OR_URL", callback=journal_target,
               help="The journal to copy: a SQLite file or a postgresql:// URL (only read).")
-@click.option("--to", "destination", required=True, metavar="PATH_OR_URL",
+@click.option("--to", "destination", required=True, metavar="PATH_OR_URL", callback=journal_target,
               help="Where to copy it: a new SQLite file, or an empty PostgreSQL database or schema.")
 def copy(source: str, destination: str) -> None:
     """Copy a journal to another store, preserving every event's seq and hash.

@@ -13,6 +13,7 @@ from guard.effect_guard import EffectGuard, reversibility
 from journal import open_journal
 
 from . import render
+from .options import journal_target
 
 DEFAULT_DEMO_DB = "airlock-demo.db"
 AGENT = "billing-agent"
@@ -59,7 +60,7 @@ def _money(cents: int) -> str:
 
 
 @click.command()
-@click.option("--db", default=DEFAULT_DEMO_DB, show_default=True, metavar="PATH_OR_URL",
+@click.option("--db", default=DEFAULT_DEMO_DB, show_default=True, metavar="PATH_OR_URL", callback=journal_target,
               help="The journal to record the demo's calls in; created if missing, reusable.")
 def demo(db: str) -> None:
     """Watch the journal stop a second charge when a payment's answer gets lost.

@@ -24,7 +24,7 @@ from journal.projection import fold
 
 from . import render
 from .export import NotJsonLines, read_export, write_events
-from .options import MOMENT, FieldList, Group, db_option, describe, json_option
+from .options import MOMENT, TEXT, FieldList, Group, db_option, describe, json_option
 
 STATUSES = ("pending", "committed", "unknown", "released")
 
@@ -69,10 +69,10 @@ def _quiet_broken_pipe() -> Iterator[None]:
 
 
 @journal.command()
-@click.argument("call_id", required=False)
+@click.argument("call_id", required=False, type=TEXT)
 @click.option("--status", type=click.Choice(STATUSES, case_sensitive=False), help="Only calls in this status.")
-@click.option("--tool", help="Only calls of this tool.")
-@click.option("--agent", "agent_id", help="Only calls of this agent.")
+@click.option("--tool", type=TEXT, help="Only calls of this tool.")
+@click.option("--agent", "agent_id", type=TEXT, help="Only calls of this agent.")
 @click.option("--since", type=MOMENT, help="Only calls updated since: ISO-8601, or an age like 10m, 2h, 3d.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many calls.")
 @json_option
@@ -212,13 +212,14 @@ def _reason_text(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 
 @journal.command()
-@click.argument("call_id")
+@click.argument("call_id", type=TEXT)
 @click.option("--applied", is_flag=True, help="The backend confirms the effect happened: record it committed.")
 @click.option("--not-applied", is_flag=True, help="The backend confirms it did not happen: release the call.")
-@click.option("--value", callback=_json_text, metavar="JSON",
+@click.option("--value", type=TEXT, callback=_json_text, metavar="JSON",
               help="With --applied: the tool's result as JSON, which replays then return.")
-@click.option("--reason", required=True, callback=_reason_text, help="Why: what the backend said (required).")
-@click.option("--operator", help="Who settles it. [default: your login name]")
+@click.option("--reason", type=TEXT, required=True, callback=_reason_text,
+              help="Why: what the backend said (required).")
+@click.option("--operator", type=TEXT, help="Who settles it. [default: your login name]")
 @click.option("--force", is_flag=True, help="Settle a pending call even though its owner process still runs.")
 @json_option
 @db_option
@@ -278,9 +279,9 @@ def resolve(
               help="Write to this file instead of stdout.")
 @click.option("--since", type=MOMENT, help="Only events at or after: ISO-8601, or an age like 10m, 2h, 3d.")
 @click.option("--until", type=MOMENT, help="Only events before this time.")
-@click.option("--call", "call_id", help="Only the events of this call.")
-@click.option("--tool", help="Only events of this tool.")
-@click.option("--agent", "agent_id", help="Only events of this agent.")
+@click.option("--call", "call_id", type=TEXT, help="Only the events of this call.")
+@click.option("--tool", type=TEXT, help="Only events of this tool.")
+@click.option("--agent", "agent_id", type=TEXT, help="Only events of this agent.")
 @click.option("--redact", type=FieldList(tuple(sorted(REDACTABLE))), multiple=True, metavar="FIELDS",
               help="Comma-separated, or the flag repeated: arguments,value. Each becomes null and is named "
                    "in 'redacted'; its sha256 stays, so the export still verifies.")

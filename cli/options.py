@@ -75,12 +75,15 @@ def db_option(fn: F) -> F:
         show_default=True,
         show_envvar=True,
         help="The journal: a SQLite file, or a postgresql:// URL.",
-        callback=_journal_target,
+        callback=journal_target,
     )(fn)
 
 
-def _journal_target(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """``--db`` as given, once it can name a journal: not empty, and a URL that parses."""
+def journal_target(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """``--db`` as given, once it can name a journal: UTF-8, not empty, and a URL that parses."""
+    if not is_utf8(value):
+        raise click.BadParameter(f"'{shown_bytes(value)}' is not valid UTF-8: name the journal by a path that is "
+                                 "(rename the file, or link to it under a UTF-8 name)", ctx, param)
     if not value.strip():
         raise click.BadParameter("is empty: give the path of a journal file or a postgresql:// URL", ctx, param)
     if value.startswith(("postgresql://", "postgres://")):
@@ -88,6 +91,40 @@ def _journal_target(ctx: click.Context, param: click.Parameter, value: str) -> s
         if problem is not None:
             raise click.BadParameter(f"{describe(value)} is not a PostgreSQL URL: {problem}", ctx, param)
     return value
+
+
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8: click reads bytes of the command line that are
+    not UTF-8 as lone surrogates, which no journal can store or print."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def shown_bytes(text: str) -> str:
+    """``text`` for a message, each byte that is not UTF-8 written ``\\xNN``."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte
+        raw = text.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+class Text(click.ParamType):
+    """A string of valid UTF-8: a call id, a tool, a reason, an operator."""
+
+    name = "text"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        if not is_utf8(text):
+            self.fail(f"'{shown_bytes(text)}' is not valid UTF-8", param, ctx)
+        return text
+
+
+TEXT = Text()
 
 
 def url_problem(url: str) -> str | None:

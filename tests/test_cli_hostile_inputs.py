@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_support import digest, invoke, seed
+from tests.cli_support import digest, invoke, run_airlock, seed
 
 
 @pytest.fixture
@@ -73,3 +73,65 @@ def test_a_limit_of_zero_is_still_a_usage_error(db: Path) -> None:
     result = invoke("journal", "show", "--db", str(db), "--limit", "0")
     assert result.exit_code == 2
     assert last_line(result.stderr) == "Error: Invalid value for '--limit': 0 is not in the range x>=1."
+
+
+# -- bytes that are not UTF-8 --------------------------------------------------------------------
+
+# click reads a byte of the command line that is not UTF-8 as a lone surrogate (surrogateescape).
+NOT_UTF8 = "\udcff"
+
+
+@pytest.mark.parametrize(("args", "name", "shown"), [
+    (["show", "c" + NOT_UTF8], "'[CALL_ID]'", r"c\xff"),
+    (["show", "--tool", "t" + NOT_UTF8], "'--tool'", r"t\xff"),
+    (["show", "--agent", "a" + NOT_UTF8], "'--agent'", r"a\xff"),
+    (["export", "--call", "c" + NOT_UTF8], "'--call'", r"c\xff"),
+    (["export", "--tool", "t" + NOT_UTF8], "'--tool'", r"t\xff"),
+    (["export", "--agent", "a" + NOT_UTF8], "'--agent'", r"a\xff"),
+    (["resolve", "c" + NOT_UTF8, "--applied", "--reason", "r"], "'CALL_ID'", r"c\xff"),
+    (["resolve", "call-timeout", "--applied", "--reason", "r" + NOT_UTF8], "'--reason'", r"r\xff"),
+    (["resolve", "call-timeout", "--applied", "--reason", "r", "--operator", "o" + NOT_UTF8], "'--operator'",
+     r"o\xff"),
+    (["resolve", "call-timeout", "--applied", "--reason", "r", "--value", f'"v{NOT_UTF8}"'], "'--value'",
+     r'"v\xff"'),
+])
+def test_an_argument_that_is_not_utf8_is_a_usage_error(db: Path, args: list[str], name: str, shown: str) -> None:
+    before = digest(db)
+    result = invoke("journal", *args, "--db", str(db))
+    assert result.exit_code == 2, result.output
+    assert last_line(result.stderr) == f"Error: Invalid value for {name}: '{shown}' is not valid UTF-8"
+    assert digest(db) == before
+
+
+DB_NOT_UTF8 = ("is not valid UTF-8: name the journal by a path that is "
+               "(rename the file, or link to it under a UTF-8 name)")
+
+
+@pytest.mark.parametrize("command", ["stats", "show", "verify", "export", "rebuild"])
+def test_a_journal_path_that_is_not_utf8_is_a_usage_error(tmp_path: Path, command: str) -> None:
+    # a real process, so the name reaches the command line as the bytes of the file's name
+    path = tmp_path / f"bad{NOT_UTF8}.db"
+    seed(path)
+    before = digest(path)
+    result = run_airlock("journal", command, "--db", str(path))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert last_line(result.stderr) == (f"Error: Invalid value for '--db' (env var: 'AIRLOCK_JOURNAL'): "
+                                        f"'{tmp_path}/bad\\xff.db' {DB_NOT_UTF8}")
+    assert digest(path) == before
+
+
+def test_a_call_id_of_bytes_that_are_not_utf8_in_a_real_process(db: Path) -> None:
+    result = run_airlock("journal", "show", "c" + NOT_UTF8, "--db", str(db))
+    assert result.returncode == 2
+    assert last_line(result.stderr) == "Error: Invalid value for '[CALL_ID]': 'c\\xff' is not valid UTF-8"
+
+
+def test_demo_refuses_an_empty_db_as_the_journal_commands_do(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = invoke("demo", "--db", "")
+    assert result.exit_code == 2, result.output
+    assert last_line(result.stderr) == ("Error: Invalid value for '--db': is empty: give the path of a journal "
+                                        "file or a postgresql:// URL")
+    assert list(tmp_path.iterdir()) == []
