@@ -62,8 +62,12 @@ utc_now: Callable[[], datetime] = partial(datetime.now, UTC)
 
 
 def format_at(at: datetime) -> str:
-    """ISO-8601 in UTC with microseconds and a ``Z``: ``2026-12-01T05:23:06.123456Z``."""
-    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """ISO-8601 in UTC with microseconds and a ``Z``: ``2026-12-01T05:23:06.123456Z``.
+
+    The year always has four digits (``0999-...``), so the texts sort as the moments do.
+    """
+    # isoformat pads the year; strftime's %Y does not on every platform.
+    return at.astimezone(UTC).isoformat(timespec="microseconds")[:-6] + "Z"
 
 
 def parse_at(text: str) -> datetime:
