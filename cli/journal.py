@@ -189,13 +189,34 @@ def _int_of_64_bits(text: str) -> int:
     return number
 
 
+# show --json prints a value within its call and the call's events, and orjson writes at most 254 levels.
+MOST_VALUE_LEVELS = 250
+
+
+def _levels(value: Any) -> int:
+    """How deeply arrays and objects nest in ``value`` (0 for a scalar), without recursing."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
+    too_deep = click.BadParameter(f"nests arrays or objects too deeply to be stored (at most {MOST_VALUE_LEVELS} "
+                                  "levels)", ctx, param)
     try:
         parsed = orjson.loads(value)
     except orjson.JSONDecodeError as e:
+        if "depth limit" in str(e):
+            raise too_deep from e
         raise click.BadParameter(f"{value!r} is not JSON ({e})", ctx, param) from e
+    if _levels(parsed) > MOST_VALUE_LEVELS:
+        raise too_deep
     try:
         json.loads(value, parse_int=_int_of_64_bits)
     except ValueError:

@@ -135,3 +135,32 @@ def test_demo_refuses_an_empty_db_as_the_journal_commands_do(tmp_path: Path,
     assert last_line(result.stderr) == ("Error: Invalid value for '--db': is empty: give the path of a journal "
                                         "file or a postgresql:// URL")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- a --value nested too deeply -----------------------------------------------------------------
+
+TOO_DEEP = "Error: Invalid value for '--value': nests arrays or objects too deeply to be stored (at most 250 levels)"
+
+
+@pytest.mark.parametrize("levels", [251, 300, 1000, 5000])
+@pytest.mark.parametrize(("opening", "inside", "closing"), [("[", "", "]"), ('{"a":', "1", "}")])
+def test_a_value_nested_too_deeply_is_a_usage_error(db: Path, levels: int, opening: str, inside: str,
+                                                    closing: str) -> None:
+    value = opening * levels + inside + closing * levels
+    before = digest(db)
+    result = invoke("journal", "resolve", "call-timeout", "--applied", "--reason", "r", "--value", value,
+                    "--db", str(db))
+    assert result.exit_code == 2, result.output
+    assert last_line(result.stderr) == TOO_DEEP
+    assert digest(db) == before
+
+
+def test_a_value_nested_as_deeply_as_allowed_is_stored_and_shown(db: Path) -> None:
+    value = "[" * 250 + "]" * 250
+    result = invoke("journal", "resolve", "call-timeout", "--applied", "--reason", "r", "--value", value,
+                    "--db", str(db))
+    assert result.exit_code == 0, result.output
+    for args in (["show", "--json"], ["show", "call-timeout", "--json"], ["export"]):
+        shown = invoke("journal", *args, "--db", str(db))
+        assert shown.exit_code == 0, (args, shown.output)
+        assert value in shown.stdout
