@@ -9,6 +9,7 @@ form (an arbitrary object, NaN, an infinity, a non-string key, a set) raises
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import inspect
 import math
@@ -52,6 +53,8 @@ def _has_nonfinite(obj: Any) -> bool:
         return any(_has_nonfinite(v) for v in obj.values())
     if isinstance(obj, list | tuple):
         return any(_has_nonfinite(v) for v in obj)
+    if isinstance(obj, enum.Enum):
+        return _has_nonfinite(obj.value)  # orjson writes a member as its value
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return any(_has_nonfinite(getattr(obj, f.name)) for f in dataclasses.fields(obj))
     if callable(getattr(obj, "model_dump", None)) and not isinstance(obj, type):

@@ -3,8 +3,16 @@ as the contract says, the same on every store."""
 
 from __future__ import annotations
 
+import enum
+import math
 from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
 
+import pytest
+
+from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
+from guard.canonical import NotCanonical, canonical_json
+from guard.effect_guard import EffectGuard, InMemoryEffectStore
 from guard.store import format_at, parse_at
 
 # -- times ------------------------------------------------------------------------------------
@@ -25,3 +33,53 @@ def test_an_ordinary_moment_is_written_as_before() -> None:
     assert format_at(datetime(2026, 12, 1, 5, 23, 6, tzinfo=UTC)) == "2026-12-01T05:23:06.000000Z"
     plus_two = timezone(timedelta(hours=2))
     assert format_at(datetime(2026, 1, 1, 1, 0, 0, 7, tzinfo=plus_two)) == "2025-12-31T23:00:00.000007Z"
+
+
+# -- enum members -----------------------------------------------------------------------------
+
+
+class Quota(enum.Enum):
+    UNLIMITED = math.inf
+    UNSET = math.nan
+    NONE = 0
+
+
+def test_an_enum_member_whose_value_is_infinite_cannot_be_keyed() -> None:
+    for member in (Quota.UNLIMITED, Quota.UNSET, [Quota.UNLIMITED], {"quota": Quota.UNSET}):
+        with pytest.raises(NotCanonical):
+            canonical_json(member)
+    assert canonical_json(Quota.NONE) == "0"
+
+
+def test_an_infinite_enum_argument_is_refused_not_replayed_as_none() -> None:
+    store = InMemoryEffectStore()
+    runs: list[Any] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)))
+    def set_quota(user: str, quota: Any) -> str:
+        runs.append(quota)
+        return f"quota of {user} set to {quota}"
+
+    with AirlockContext(metadata={"tool_call_id": "c1"}):
+        assert set_quota("bob", None) == "quota of bob set to None"
+    with AirlockContext(metadata={"tool_call_id": "c1"}):
+        refusal = set_quota("bob", Quota.UNLIMITED)
+    assert is_refusal(refusal) and refusal["block_reason"] == "arguments_not_canonical"
+    with AirlockContext(metadata={"tool_call_id": "c2"}):
+        assert set_quota("bob", Quota.UNLIMITED)["block_reason"] == "arguments_not_canonical"
+    assert runs == [None]
+
+
+def test_an_infinite_enum_value_is_committed_without_a_value() -> None:
+    store = InMemoryEffectStore()
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)))
+    def quota_of(user: str) -> Quota:
+        return Quota.UNLIMITED
+
+    with AirlockContext(metadata={"tool_call_id": "q1"}):
+        assert quota_of("bob") is Quota.UNLIMITED
+    record = store.get("q1")
+    assert record is not None and record.status == "committed" and record.value is None
+    with AirlockContext(metadata={"tool_call_id": "q1"}):
+        assert quota_of("bob")["block_reason"] == "replay_value_unavailable"
