@@ -19,7 +19,7 @@ from .policy import SecurityPolicy, required_capabilities
 from .refusal import AirlockBlocked, Refusal, make_refusal
 from .store import GUARD_ACTOR, CallRecord, Decision, EffectEvent, Verdict, current_owner, utc_now
 
-__all__ = ["Airlock", "airlock_of"]
+__all__ = ["Airlock", "airlock_of", "error_of", "message_of"]
 
 log = logging.getLogger("guard")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -57,6 +57,19 @@ _HINTS: dict[str, tuple[str, ...]] = {
     ),
     "store_unavailable": ("Try again later; the tool was not run.",),
 }
+
+
+def message_of(exc: BaseException) -> str:
+    """``str(exc)``; ``<unprintable X>`` when its ``__str__`` fails."""
+    try:
+        return str(exc)
+    except Exception:
+        return f"<unprintable {type(exc).__name__}>"
+
+
+def error_of(exc: BaseException) -> dict[str, str]:
+    """The ``{type, message}`` of an exception as an event records it."""
+    return {"type": type(exc).__name__, "message": message_of(exc)}
 
 
 def is_deferred(result: Any) -> bool:
@@ -291,7 +304,7 @@ class _Call:
                     "store_unavailable",
                     "The effect journal could not record this call, so it was not run; try again later.",
                     journal=False,
-                    store_error=f"{type(e).__name__}: {e}",
+                    store_error=f"{type(e).__name__}: {message_of(e)}",
                 )
             self.verdict = verdict = decision.verdict
             self.attempt = decision.event.attempt
@@ -333,41 +346,47 @@ class _Call:
     def returned(self, result: Any) -> None:
         if self.verdict is not _RUN:
             return
-        if type(result) not in _PLAIN and is_deferred(result):
-            self.outcome("unknown", error={
-                "type": type(result).__name__,
-                "message": "the tool returned a deferred result; its effect happens as it is consumed",
-            })
-            return
-        value = to_json_value(result)
-        if value is None:
-            self.outcome("committed", reason={
-                "code": "value_not_stored",
-                "message": f"the tool's value of type {type(result).__name__} has no JSON form",
-            })
-        else:
-            self.outcome("committed", value=value)
+        try:
+            if type(result) not in _PLAIN and is_deferred(result):
+                self.outcome("unknown", error={
+                    "type": type(result).__name__,
+                    "message": "the tool returned a deferred result; its effect happens as it is consumed",
+                })
+                return
+            value = to_json_value(result)
+            if value is None:
+                self.outcome("committed", reason={
+                    "code": "value_not_stored",
+                    "message": f"the tool's value of type {type(result).__name__} has no JSON form",
+                })
+            else:
+                self.outcome("committed", value=value)
+        except Exception as e:
+            self.not_recorded("committed", e)  # the caller still gets the value
 
     def raised(self, exc: BaseException) -> None:
         if self.verdict is not _RUN:
             return
-        error = {"type": type(exc).__name__, "message": str(exc)}
         eg = self.eg
         assert eg is not None
-        if isinstance(exc, eg.ambiguous_errors) or not isinstance(exc, Exception):
-            self.outcome("unknown", error=error)
-        else:
-            self.outcome("released", error=error)
+        kind = "unknown" if isinstance(exc, eg.ambiguous_errors) or not isinstance(exc, Exception) else "released"
+        try:
+            self.outcome(kind, error=error_of(exc))
+        except Exception as e:
+            self.not_recorded(kind, e)  # the caller still gets the tool's exception
 
     def record(self, event: EffectEvent) -> None:
         assert self.eg is not None
         try:
             self.eg.store.append(event)
         except Exception as e:
-            log.error(
-                "store could not record %s for %s (tool_call_id=%s, attempt %s): %r",
-                event.kind, event.tool, event.call_id, event.attempt, e,
-            )
+            self.not_recorded(event.kind, e)
+
+    def not_recorded(self, kind: str, e: Exception) -> None:
+        log.error(
+            "store could not record %s for %s (tool_call_id=%s, attempt %s): %r",
+            kind, self.tool.name, self.tool_call_id, self.attempt, e,
+        )
 
 
 class Airlock:

@@ -4,6 +4,7 @@ as the contract says, the same on every store."""
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
@@ -83,3 +84,65 @@ def test_an_infinite_enum_value_is_committed_without_a_value() -> None:
     assert record is not None and record.status == "committed" and record.value is None
     with AirlockContext(metadata={"tool_call_id": "q1"}):
         assert quota_of("bob")["block_reason"] == "replay_value_unavailable"
+
+
+# -- exceptions and values that fight back ---------------------------------------------------
+
+
+def call(fn: Any, call_id: str, *args: Any) -> Any:
+    with AirlockContext(agent_id="agent-1", metadata={"tool_call_id": call_id}):
+        return fn(*args)
+
+
+def guarded(store: Any, fn: Any) -> Any:
+    return Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)))(fn)
+
+
+class BackendError(Exception):
+    def __init__(self, payload: dict[str, Any]) -> None:
+        self.payload = payload
+
+    def __str__(self) -> str:
+        return "backend said " + self.payload["msg"]  # a payload without "msg": KeyError
+
+
+class BackendTimeout(BackendError, TimeoutError):
+    pass
+
+
+@pytest.mark.parametrize(("error", "status"), [(BackendError, "released"), (BackendTimeout, "unknown")])
+def test_an_exception_whose_str_fails_reaches_the_caller_and_is_recorded(
+    store: Any, error: type[BackendError], status: str,
+) -> None:
+    def charge(cents: int) -> None:
+        raise error({"code": 502})
+
+    tool = guarded(store, charge)
+    with pytest.raises(error):
+        call(tool, "c1", 5)
+    record = store.get("c1")
+    assert record.status == status
+    assert record.error == {"type": error.__name__, "message": f"<unprintable {error.__name__}>"}
+
+
+class Flaky:
+    """A value whose model_dump works for JSON and then fails: storing it raises."""
+
+    def model_dump(self, mode: str = "python") -> dict[str, Any]:
+        if mode == "json":
+            return {"balance": None}
+        raise RuntimeError("the connection behind this value is closed")
+
+
+def test_a_value_that_cannot_be_recorded_still_reaches_the_caller(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = InMemoryEffectStore()
+    value = Flaky()
+
+    tool = guarded(store, lambda cents: value)
+    with caplog.at_level(logging.ERROR, logger="guard"):
+        assert call(tool, "v1", 5) is value
+    assert "could not record committed" in caplog.text and "connection behind this value" in caplog.text
+    assert store.get("v1").status == "pending"  # so a retry is refused, never run again
+    assert call(tool, "v1", 5)["block_reason"] == "effect_status_unknown"
