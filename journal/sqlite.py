@@ -18,6 +18,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -68,12 +69,33 @@ def _settle(conn: sqlite3.Connection) -> None:
         conn.execute("ROLLBACK")
 
 
+_JOURNALS: weakref.WeakSet[SQLiteJournal] = weakref.WeakSet()  # this process's open journals
+_HELD_FOR_FORK: list[threading.RLock] = []
+
+
+def _before_fork() -> None:
+    # No journal of this process may be inside a transaction when it forks: the child would inherit
+    # SQLite's record of a lock that no thread of the child will ever release.
+    for journal in sorted(_JOURNALS, key=id):
+        lock = journal._lock
+        if lock.acquire(timeout=journal.busy_timeout):
+            _HELD_FOR_FORK.append(lock)
+
+
+def _after_fork_in_parent() -> None:
+    while _HELD_FOR_FORK:
+        _HELD_FOR_FORK.pop().release()
+
+
 def _forked() -> None:
     _FORKS[0] += 1
+    _HELD_FOR_FORK.clear()
+    for journal in list(_JOURNALS):
+        journal._lock = threading.RLock()  # the parent's may be held by a thread the child lacks
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_forked)
 
 _EVENT_COLUMNS = ("seq, at, call_id, kind, tool, agent_id, idempotency_key, arguments, value, error, reason, "
                   "actor, attempt, owner, prev_hash, hash")
@@ -225,6 +247,7 @@ class SQLiteJournal(LogReads):
         self._closed = False
         self._conn = self._open()
         self._forks = _FORKS[0]
+        _JOURNALS.add(self)
 
     # -- opening -------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -51,10 +52,8 @@ class CuttingProxy:
     def cut_clients(self) -> None:
         for client in self.clients:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            try:
+            with contextlib.suppress(OSError):
                 client.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             client.close()
         self.clients = []
 
@@ -91,7 +90,7 @@ def cut_while_waiting_for_the_head(pg_dsn: str, proxy: CuttingProxy, write: Any)
     def run() -> None:
         try:
             result["value"] = write()
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             result["value"] = e
 
     thread = threading.Thread(target=run)

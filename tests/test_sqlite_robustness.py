@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 from guard.store import Decision, EffectEvent, Verdict
 from journal import SQLiteJournal
@@ -40,3 +46,50 @@ def test_a_transaction_an_interrupt_left_open_is_ended_before_the_next_write(tmp
     assert journal.get("c2") is not None  # a read ends it too
     assert other_process_writes(path) == "written"
     assert journal.verify().ok
+
+
+def refusal(call_id: str | None = None) -> EffectEvent:
+    return EffectEvent(kind="refused", call_id=call_id, tool="t", reason={"code": "x", "message": "m"})
+
+
+@pytest.mark.parametrize("objects", ["shared", "separate"])
+def test_a_fork_while_another_thread_writes_gives_a_child_that_can_write(tmp_path: Path, objects: str) -> None:
+    # The child must neither wait for a lock held by a thread it does not have, nor inherit
+    # SQLite's record of a write lock that the parent's thread was holding at the fork.
+    path = tmp_path / "j.db"
+    busy = SQLiteJournal(path, durability="process")
+    mine = busy if objects == "shared" else SQLiteJournal(path, durability="process", busy_timeout=2)
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():
+            busy.append(refusal())
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    answers = []
+    try:
+        time.sleep(0.1)
+        for n in range(8):
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: one write, its answer down the pipe, and out
+                os.close(read_end)
+                signal.alarm(10)
+                try:
+                    mine.append(refusal(f"child-{n}"))
+                    answer = b"ok"
+                except BaseException as e:
+                    answer = type(e).__name__.encode()
+                os.write(write_end, answer)
+                os._exit(0)
+            os.close(write_end)
+            os.waitpid(pid, 0)
+            answers.append(os.read(read_end, 100).decode() or "no answer")
+            os.close(read_end)
+    finally:
+        stop.set()
+        writer.join()
+    assert answers == ["ok"] * 8
+    assert {f"child-{n}" for n in range(8)} <= {e.call_id for e in busy.events()}
+    assert busy.verify().ok
