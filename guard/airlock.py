@@ -11,7 +11,15 @@ from typing import Any, Literal, TypeVar, cast
 
 import orjson
 
-from .canonical import Binder, NotCanonical, canonical_bytes, key_from_canonical, key_prefix, to_json_value
+from .canonical import (
+    Binder,
+    NotCanonical,
+    canonical_bytes,
+    key_from_canonical,
+    key_prefix,
+    storable,
+    to_json_value,
+)
 from .context import AirlockContext, CallContext, active, enter_call, leave_call
 from .effect_guard import EffectGuard, decide_attempt, reversibility_of
 from .oversight import OversightRequest, OversightResponse, OversightVerdict
@@ -60,16 +68,17 @@ _HINTS: dict[str, tuple[str, ...]] = {
 
 
 def message_of(exc: BaseException) -> str:
-    """``str(exc)``; ``<unprintable X>`` when its ``__str__`` fails."""
+    """``str(exc)``, storable; ``<unprintable X>`` when its ``__str__`` fails."""
     try:
-        return str(exc)
+        text = str(exc)
     except Exception:
-        return f"<unprintable {type(exc).__name__}>"
+        text = f"<unprintable {type(exc).__name__}>"
+    return storable(text)
 
 
 def error_of(exc: BaseException) -> dict[str, str]:
     """The ``{type, message}`` of an exception as an event records it."""
-    return {"type": type(exc).__name__, "message": message_of(exc)}
+    return {"type": storable(type(exc).__name__), "message": message_of(exc)}
 
 
 def is_deferred(result: Any) -> bool:
@@ -152,7 +161,7 @@ class _Call:
                 EffectEvent(
                     kind="refused", call_id=self.tool_call_id, tool=self.tool.name, agent_id=self.agent_id,
                     idempotency_key=self.key, arguments=self.arguments,
-                    reason={"code": code, "message": error}, attempt=self.attempt,
+                    reason={"code": code, "message": storable(error)}, attempt=self.attempt,
                 )
             )
         return refusal
@@ -349,7 +358,7 @@ class _Call:
         try:
             if type(result) not in _PLAIN and is_deferred(result):
                 self.outcome("unknown", error={
-                    "type": type(result).__name__,
+                    "type": storable(type(result).__name__),
                     "message": "the tool returned a deferred result; its effect happens as it is consumed",
                 })
                 return
@@ -357,7 +366,7 @@ class _Call:
             if value is None:
                 self.outcome("committed", reason={
                     "code": "value_not_stored",
-                    "message": f"the tool's value of type {type(result).__name__} has no JSON form",
+                    "message": f"the tool's value of type {storable(type(result).__name__)} has no JSON form",
                 })
             else:
                 self.outcome("committed", value=value)

@@ -26,6 +26,7 @@ __all__ = [
     "idempotency_key",
     "key_from_canonical",
     "key_prefix",
+    "storable",
     "to_json_value",
 ]
 
@@ -88,6 +89,16 @@ def to_json_value(obj: Any) -> str | None:
         return canonical_bytes(obj).decode()
     except NotCanonical:
         return None
+
+
+def storable(text: str) -> str:
+    """``text`` as every store can keep it: a lone surrogate (an ``os.fsdecode``'d file name, say)
+    has no UTF-8 form, so it is written as its backslash escape (``\\udcff``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def key_prefix(tool: str) -> bytes:

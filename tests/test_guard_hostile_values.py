@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -146,3 +147,41 @@ def test_a_value_that_cannot_be_recorded_still_reaches_the_caller(
     assert "could not record committed" in caplog.text and "connection behind this value" in caplog.text
     assert store.get("v1").status == "pending"  # so a retry is refused, never run again
     assert call(tool, "v1", 5)["block_reason"] == "effect_status_unknown"
+
+
+# -- text with a lone surrogate --------------------------------------------------------------
+
+# A file name that is not UTF-8, as os.fsdecode() gives it on Linux: 'report-\udcff.pdf'.
+NAME = os.fsdecode(b"report-\xff.pdf")
+
+
+def test_an_ordinary_error_with_a_lone_surrogate_releases_the_call_on_every_store(store: Any) -> None:
+    runs: list[str] = []
+
+    def upload(path: str) -> str:
+        runs.append(path)
+        if len(runs) == 1:
+            raise FileNotFoundError(f"no such file: {NAME}")
+        return "uploaded"
+
+    tool = guarded(store, upload)
+    with pytest.raises(FileNotFoundError) as raised:
+        call(tool, "u1", "x")
+    assert str(raised.value) == f"no such file: {NAME}"  # the caller's exception is untouched
+    record = store.get("u1")
+    assert record.status == "released"
+    assert record.error == {"type": "FileNotFoundError", "message": "no such file: report-\\udcff.pdf"}
+    assert call(tool, "u1", "x") == "uploaded"  # it may run again
+    assert runs == ["x", "x"]
+
+
+def test_an_ambiguous_error_with_a_lone_surrogate_is_unknown_on_every_store(store: Any) -> None:
+    def upload(path: str) -> str:
+        raise TimeoutError(f"no answer for {NAME}")
+
+    tool = guarded(store, upload)
+    with pytest.raises(TimeoutError):
+        call(tool, "u2", "x")
+    record = store.get("u2")
+    assert (record.status, record.error["message"]) == ("unknown", "no answer for report-\\udcff.pdf")
+    assert call(tool, "u2", "x")["block_reason"] == "effect_status_unknown"
