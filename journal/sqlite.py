@@ -233,7 +233,10 @@ class SQLiteJournal(LogReads):
         if str(path) == ":memory:" or str(path).startswith("file:"):
             raise ValueError(f"SQLiteJournal takes the path of a file, not {str(path)!r}")
         self.path = Path(path)
-        self._wal_path = os.path.abspath(f"{self.path}-wal")  # fsynced by begin, wherever the cwd moves
+        # The file itself, for every open and the WAL's fsync: wherever the cwd moves, and past a
+        # symbolic link (SQLite keeps the WAL beside the file the link points to).
+        self._file = Path(os.path.realpath(path))
+        self._wal_path = f"{self._file}-wal"
         self.durability: Durability = durability
         self.busy_timeout = float(busy_timeout)
         self.readonly = readonly
@@ -252,9 +255,9 @@ class SQLiteJournal(LogReads):
     # -- opening -------------------------------------------------------------------------------
 
     def _open(self) -> sqlite3.Connection:
-        path = self.path
+        path, file = self.path, self._file
         if self.readonly:
-            if not path.exists():
+            if not file.exists():
                 raise JournalNotFound(f"There is no journal at {path}.")
             kind = self._check(self._inspect(), blank_ok=False)
             if kind.version < schema.READABLE_FROM:
@@ -262,24 +265,24 @@ class SQLiteJournal(LogReads):
                     f"The journal {path} has schema version {kind.version} and needs migrating to "
                     f"{schema.LATEST}; open it once for writing."
                 )
-            conn = self._connect(schema.readonly_uri(path), uri=True)
+            conn = self._connect(schema.readonly_uri(file), uri=True)
             self._sync = _NORMAL
             return conn
-        if not path.exists():
+        if not file.exists():
             if not self._create:
                 raise JournalNotFound(f"There is no journal at {path}.")
             try:
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             except FileExistsError:
                 pass  # another process made it first; it is inspected like any existing file
             except OSError as e:
                 raise JournalError(f"Cannot create the journal {path}: {e.strerror}.") from e
-        if not os.access(path, os.R_OK | os.W_OK):
+        if not os.access(file, os.R_OK | os.W_OK):
             raise JournalError(f"Cannot write the journal {path}: permission denied; open it with readonly=True "
                                "to read it.")
         # Inspect through a read-only connection first, so a foreign file is never written to.
         kind = self._check(self._inspect(), blank_ok=self._create)
-        conn = self._connect(str(path))
+        conn = self._connect(str(file))
         try:
             self._retry(conn, lambda: conn.execute("PRAGMA journal_mode = WAL"))
             # A guarded call dirties about ten pages; checkpointing (two fsyncs) every 1000 pages, as
@@ -299,7 +302,7 @@ class SQLiteJournal(LogReads):
 
     def _inspect(self) -> schema.FileKind:
         try:
-            return schema.inspect(self.path, self.busy_timeout)
+            return schema.inspect(self._file, self.busy_timeout)
         except OSError as e:
             raise JournalError(f"Cannot read the journal {self.path}: {e.strerror}.") from e
         except sqlite3.Error as e:
@@ -761,7 +764,7 @@ class SQLiteJournal(LogReads):
         """
         with self._lock:
             self._connection()
-        reader = self._connect(schema.readonly_uri(self.path), uri=True)
+        reader = self._connect(schema.readonly_uri(self._file), uri=True)
         try:
             head = self._retry(reader, lambda: reader.execute(_SELECT_HEAD).fetchone())
             if head is None:
@@ -877,7 +880,7 @@ class SQLiteJournal(LogReads):
             raise ValueError(f"parts is a number, 1 or more, not {parts!r}")
         with self._lock:
             self._connection()
-        snapshot = self._connect(schema.readonly_uri(self.path), uri=True)
+        snapshot = self._connect(schema.readonly_uri(self._file), uri=True)
         try:
             head = self._retry(snapshot, lambda: snapshot.execute(_SELECT_HEAD).fetchone())
             if head is not None:
@@ -894,10 +897,10 @@ class SQLiteJournal(LogReads):
 
     def _verified_in_parts(self, head: int, parts: int) -> bool:
         """True when every part of the events up to ``head`` checks out (part 0 in this process)."""
-        children = [sqlite_verify.start_part(self.path, part, parts, head) for part in range(1, parts)]
+        children = [sqlite_verify.start_part(self._file, part, parts, head) for part in range(1, parts)]
         try:
             started = time.monotonic()
-            if None in children or not sqlite_verify.check_part(self.path, 0, parts, head):
+            if None in children or not sqlite_verify.check_part(self._file, 0, parts, head):
                 return False
             # The parts are of one size: a child far slower than this process's part is stuck.
             patience = sqlite_verify.PATIENCE + 3 * (time.monotonic() - started)

@@ -93,3 +93,52 @@ def test_a_fork_while_another_thread_writes_gives_a_child_that_can_write(tmp_pat
     assert answers == ["ok"] * 8
     assert {f"child-{n}" for n in range(8)} <= {e.call_id for e in busy.events()}
     assert busy.verify().ok
+
+
+def test_a_journal_reached_through_a_symbolic_link_guards_calls_at_full(tmp_path: Path) -> None:
+    from guard import Airlock, AirlockContext, SecurityPolicy
+    from guard.effect_guard import EffectGuard
+
+    (tmp_path / "data").mkdir()
+    link = tmp_path / "journal.db"
+    link.symlink_to(tmp_path / "data" / "journal.db")
+    journal = SQLiteJournal(link, durability="full")
+    runs = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def pay(cents: int) -> dict[str, int]:
+        runs.append(cents)
+        return {"paid": cents}
+
+    with AirlockContext(metadata={"tool_call_id": "c1"}):
+        assert pay(5) == {"paid": 5}
+        assert pay(5) == {"paid": 5}
+    assert runs == [5]
+    assert journal.get("c1").status == "committed"  # type: ignore[union-attr]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "journal.db"]  # no -wal beside the link
+    assert journal._wal_path == str((tmp_path / "data" / "journal.db-wal").resolve())
+
+
+def test_a_relative_path_keeps_naming_the_same_file_after_a_chdir(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    journal = SQLiteJournal("j.db", durability="process")
+    journal.append(refusal("c1"))
+    monkeypatch.chdir(second)
+    SQLiteJournal("j.db", durability="process").close()  # another journal of that name in the new cwd
+    journal.append(refusal("c2"))
+    report = journal.verify()
+    assert report.ok and report.events == 2
+    assert sum(n for _, n in journal.export_lines()) == 2
+    pid = os.fork()
+    if pid == 0:  # a child's new connection opens the same file too
+        try:
+            journal.append(refusal("from-child"))
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert [e.call_id for e in journal.events()] == ["c1", "c2", "from-child"]
+    assert SQLiteJournal(second / "j.db").head()[0] == 0
