@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -263,6 +264,64 @@ def test_a_value_with_no_json_form_is_the_json_string_of_its_str_and_cannot_be_r
     again = anthropic.dispatch(use("toolu_6", "handle", {}), [handle])
     assert again["is_error"] is True
     assert json.loads(again["content"])["block_reason"] == "replay_value_unavailable"
+
+
+# A file name that is not UTF-8, as os.fsdecode() gives it on Linux: 'report-\udcff.txt'.
+ODD_NAME = os.fsdecode(b"report-\xff.txt")
+
+
+def readable(text: str) -> Any:
+    """What a provider's SDK does with the text: encode it as UTF-8, and the model parses the JSON."""
+    return json.loads(text.encode("utf-8"))
+
+
+def test_a_value_with_a_lone_surrogate_reaches_the_model_escaped() -> None:
+    @guarded()
+    def list_files(folder: str) -> str:
+        return ODD_NAME
+
+    result = openai.dispatch(chat("c1", "list_files", {"folder": "/tmp"}), [list_files])
+    assert readable(result["content"]) == "report-\\udcff.txt"
+
+
+def test_an_exception_with_a_lone_surrogate_is_an_error_result() -> None:
+    store = InMemoryEffectStore()
+
+    @guarded(store)
+    def open_file(path: str) -> str:
+        raise FileNotFoundError(f"no such file: {ODD_NAME}")
+
+    result = anthropic.dispatch(use("toolu_1", "open_file", {"path": "x"}), [open_file])
+    assert result["is_error"] is True
+    error = readable(result["content"])
+    assert error["error_type"] == "FileNotFoundError"
+    assert error["message"] == "no such file: report-\\udcff.txt"
+    assert [e.kind for e in store.events("toolu_1")] == ["pending", "released"]
+
+
+def test_an_exception_whose_str_fails_is_an_error_result() -> None:
+    class BackendError(Exception):
+        def __str__(self) -> str:
+            raise KeyError("msg")
+
+    @guarded()
+    def charge(cents: int) -> str:
+        raise BackendError()
+
+    result = anthropic.dispatch(use("toolu_2", "charge", {"cents": 1}), [charge])
+    assert result["is_error"] is True
+    assert readable(result["content"])["message"] == "<unprintable BackendError>"
+
+
+def test_an_unknown_tool_name_with_a_lone_surrogate_is_refused_in_json() -> None:
+    @guarded()
+    def charge(cents: int) -> int:
+        return cents
+
+    odd = "charge" + ODD_NAME[-5]  # 'charge\udcff'
+    result = openai.dispatch({"id": "c2", "function": {"name": odd, "arguments": "{}"}}, [charge])
+    refusal = readable(result["content"])
+    assert refusal["block_reason"] == "policy_violation" and refusal["metadata"]["tool"] == "charge\\udcff"
 
 
 def test_adispatch_awaits_an_awaitable_a_def_tool_returns() -> None:

@@ -18,14 +18,14 @@ from typing import Any
 
 import orjson
 
-from ..airlock import Airlock, is_deferred
-from ..canonical import to_json_value
+from ..airlock import Airlock, is_deferred, message_of
+from ..canonical import storable, to_json_value
 from ..context import AirlockContext, get_current_context
 from ..policy import required_capabilities
 from ..refusal import AirlockBlocked, Refusal, is_refusal, make_refusal
 from ..store import EffectEvent, EffectStore
 
-__all__ = ["Outcome", "Tools", "adispatch", "call_id_of", "dispatch", "field", "tool_table"]
+__all__ = ["Outcome", "Tools", "adispatch", "call_id_of", "dispatch", "field", "refusal_text", "tool_table"]
 
 log = logging.getLogger("guard.adapters")
 
@@ -158,31 +158,61 @@ def tool_table(tools: Tools) -> dict[str, _Guarded]:
     return table
 
 
+def _shown(obj: Any) -> str:
+    """``str(obj)`` as JSON can carry it: storable, or ``<unprintable X>`` when ``__str__`` fails."""
+    try:
+        return storable(str(obj))
+    except Exception:
+        return f"<unprintable {type(obj).__name__}>"
+
+
+def _escaped(obj: Any) -> Any:
+    """``obj`` with every string in it storable (a lone surrogate written as its backslash escape)."""
+    if isinstance(obj, str):
+        return storable(obj)
+    if isinstance(obj, Mapping):
+        return {_escaped(k): _escaped(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_escaped(v) for v in obj]
+    return obj
+
+
+def _json_text(obj: Any) -> str:
+    """``obj`` as JSON text, always: anything else as its ``str()``, and a lone surrogate (which
+    has no UTF-8 form) backslash-escaped, so a tool's odd text never makes the adapter raise."""
+    try:
+        return orjson.dumps(obj, default=_shown).decode()
+    except TypeError:
+        return orjson.dumps(_escaped(obj), default=_shown).decode()
+
+
 def _text(value: Any) -> str:
     """The tool's value as the model reads it: its JSON form (the form a replay returns); a value
     that has none is sent as the JSON string of its ``str()``, so the text is always JSON."""
     text = to_json_value(value)
-    return text if text is not None else orjson.dumps(str(value)).decode()
+    return text if text is not None else _json_text(_shown(value))
 
 
-def _refusal_text(refusal: Refusal) -> str:
-    return orjson.dumps(dict(refusal), default=str).decode()
+def refusal_text(refusal: Refusal) -> str:
+    """The refusal as the JSON object the model reads."""
+    return _json_text(dict(refusal))
 
 
 def _refused(refusal: Refusal) -> Outcome:
-    return Outcome(_refusal_text(refusal), True, refusal)
+    return Outcome(refusal_text(refusal), True, refusal)
 
 
 def _raised(tool: _Guarded, call_id: str | None, exc: Exception) -> Outcome:
     log.warning("tool %r raised (tool_call_id=%s)", tool.name, call_id, exc_info=exc)
+    kind, message = storable(type(exc).__name__), message_of(exc)
     error = {
         "success": False,
         "status": "error",
-        "error": f"The tool {tool.name!r} failed with {type(exc).__name__}: {exc}",
-        "error_type": type(exc).__name__,
-        "message": str(exc),
+        "error": f"The tool {tool.name!r} failed with {kind}: {message}",
+        "error_type": kind,
+        "message": message,
     }
-    return Outcome(orjson.dumps(error, default=str).decode(), True, exc)
+    return Outcome(_json_text(error), True, exc)
 
 
 def _finished(tool: _Guarded, result: Any) -> Outcome:
@@ -200,7 +230,7 @@ def _finished(tool: _Guarded, result: Any) -> Outcome:
                      "as it is consumed, so its outcome is unknown. Do not retry this call.",
             "error_type": kind,
         }
-        return Outcome(orjson.dumps(error).decode(), True, result)
+        return Outcome(_json_text(error), True, result)
     return Outcome(_text(result), False, result)
 
 

@@ -20,7 +20,7 @@ import orjson
 
 from ..canonical import to_json_value
 from ..refusal import is_refusal
-from ._dispatch import Outcome, Tools, field, tool_table, type_hints
+from ._dispatch import Outcome, Tools, field, refusal_text, tool_table, type_hints
 from ._dispatch import adispatch as _adispatch
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ async def adispatch(params: Any, tools: Tools, *, agent_id: str | None = None,
             f"Send the tools/call with params._meta[{meta_key!r}] set to an id of this call that stays the "
             "same when the call is resent."
         ]
-        outcome = Outcome(orjson.dumps(dict(outcome.value), default=str).decode(), True, outcome.value)
+        outcome = Outcome(refusal_text(outcome.value), True, outcome.value)
     return _result(outcome)
 
 
