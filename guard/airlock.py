@@ -6,7 +6,7 @@ import functools
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar, cast
 
 import orjson
@@ -147,8 +147,8 @@ class _Call:
 
     # -- refusals ------------------------------------------------------------------------------
 
-    def refuse(self, code: str, error: str, journal: bool = True, **details: Any) -> Refusal:
-        if journal and self.eg is not None and self.arguments is None:
+    def refuse(self, code: str, error: str, journal: bool = True, bind: bool = True, **details: Any) -> Refusal:
+        if journal and bind and self.eg is not None and self.arguments is None:
             self._key_for_the_record()
         hints = _HINTS.get(str(details.get("violation_type")), ()) or _HINTS.get(code, ())
         refusal = make_refusal(
@@ -419,10 +419,24 @@ class Airlock:
             raise AirlockBlocked(refusal)
         return refusal
 
-    def refuse(self, fn: Callable[..., Any], code: str, error: str, **details: Any) -> Any:
-        """Refuse a call to ``fn`` before it reaches the gates (for adapters), journaled like any refusal."""
-        call = _Call(self, _tool_of(fn), (), {})
-        return self.blocked(call.refuse(code, error, **details))
+    def refuse(self, fn: Callable[..., Any], code: str, error: str, arguments: Any = None, **details: Any) -> Any:
+        """Refuse a call to ``fn`` before it reaches the gates (for adapters), journaled like any refusal.
+
+        ``arguments`` are the model's decoded arguments. When they are a JSON object with a JSON form,
+        the refusal journals their canonical form and key as sent, not bound to the signature (they
+        may not fit it); otherwise it journals no arguments and no key.
+        """
+        tool = _tool_of(fn)
+        call = _Call(self, tool, (), {})
+        if isinstance(arguments, Mapping):
+            try:
+                canonical = canonical_bytes(dict(arguments))
+            except NotCanonical:
+                pass
+            else:
+                call.key = key_from_canonical(tool.key_prefix, canonical)
+                call.arguments = canonical.decode()
+        return self.blocked(call.refuse(code, error, bind=False, **details))
 
     def __call__(self, fn: F) -> F:
         if not callable(fn) or not isinstance(getattr(fn, "__name__", None), str):

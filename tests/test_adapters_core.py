@@ -18,7 +18,7 @@ import pytest
 
 from guard import Airlock, AirlockContext, SecurityPolicy, requires
 from guard.adapters import anthropic, openai
-from guard.effect_guard import EffectGuard, InMemoryEffectStore, reversibility
+from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key, reversibility
 
 
 def chat(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
@@ -154,6 +154,32 @@ def test_bad_arguments_are_refused_under_on_block_raise_too() -> None:
     assert result["is_error"] is True
     assert json.loads(result["content"])["block_reason"] == "arguments_not_canonical"
     assert [e.kind for e in store.events("toolu_4")] == ["refused"]
+
+
+def test_a_refusal_of_bad_arguments_journals_what_the_model_sent_not_the_defaults() -> None:
+    store = InMemoryEffectStore()
+
+    @guarded(store)
+    def refund(account: str = "acct_default", cents: int = 100) -> str:
+        return "refunded"
+
+    sent = {"account": "acct_9", "cents": "lots"}
+    results = {
+        "r1": openai.dispatch({"id": "r1", "function": {"name": "refund", "arguments": "{not json"}}, [refund]),
+        "r2": openai.dispatch(chat("r2", "refund", sent), [refund]),
+        "r3": openai.dispatch(chat("r3", "refund", {**sent, "cents": 5, "note": "x"}), [refund]),
+        "r4": openai.dispatch(chat("r4", "refund", ["acct_9", 5]), [refund]),
+    }
+    journaled = {e.call_id: (e.arguments, e.idempotency_key) for e in store.events() if e.kind == "refused"}
+    key = idempotency_key("refund", sent)
+    assert journaled["r1"] == (None, None)
+    assert journaled["r2"] == ('{"account":"acct_9","cents":"lots"}', key)
+    wrong_name = {**sent, "cents": 5, "note": "x"}
+    assert journaled["r3"] == ('{"account":"acct_9","cents":5,"note":"x"}', idempotency_key("refund", wrong_name))
+    assert journaled["r4"] == (None, None)  # not an object of named arguments
+    keys = {call_id: json.loads(r["content"])["metadata"]["idempotency_key"] for call_id, r in results.items()}
+    assert keys == {call_id: k for call_id, (_, k) in journaled.items()}
+    assert idempotency_key("refund", {"account": "acct_default", "cents": 100}) not in keys.values()
 
 
 def test_the_policy_refuses_before_the_arguments_are_looked_at() -> None:

@@ -282,7 +282,9 @@ def _policy_refusal(tool: _Guarded) -> tuple[str, str, dict[str, Any]] | None:
     return None
 
 
-def _refuse_arguments(tool: _Guarded, problem: str, **details: Any) -> Outcome:
+def _refuse_arguments(tool: _Guarded, arguments: Any, problem: str, **details: Any) -> Outcome:
+    """The refusal of arguments that cannot be passed on; ``arguments`` as the model sent them
+    (decoded where they were JSON), journaled when they have a JSON form."""
     refusal_of_policy = _policy_refusal(tool)
     if refusal_of_policy is not None:
         code, error, details = refusal_of_policy
@@ -290,7 +292,7 @@ def _refuse_arguments(tool: _Guarded, problem: str, **details: Any) -> Outcome:
         code, error = "arguments_not_canonical", f"The arguments to {tool.name!r} {problem}; it was not run."
         details = {"violation_type": "arguments_invalid", **details}
     try:
-        refusal = tool.airlock.refuse(tool.guarded, code, error, **details)
+        refusal = tool.airlock.refuse(tool.guarded, code, error, arguments, **details)
     except AirlockBlocked as blocked:
         refusal = blocked.refusal
     return _refused(refusal)
@@ -302,10 +304,10 @@ def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
         try:
             arguments = orjson.loads(arguments)
         except orjson.JSONDecodeError as e:
-            return _refuse_arguments(tool, f"are not valid JSON ({e})")
+            return _refuse_arguments(tool, None, f"are not valid JSON ({e})")
     if not isinstance(arguments, Mapping):
         return _refuse_arguments(
-            tool, f"are not a JSON object of named arguments (got {_json_kind(arguments)})",
+            tool, arguments, f"are not a JSON object of named arguments (got {_json_kind(arguments)})",
         )
     kwargs = dict(arguments)
     signature = inspect.signature(tool.fn)
@@ -314,7 +316,7 @@ def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
         signature.bind(**kwargs)
     except TypeError as e:
         return _refuse_arguments(
-            tool, f"do not fit its signature ({e})",
+            tool, kwargs, f"do not fit its signature ({e})",
             parameters=[p for p in parameters if parameters[p].kind not in (
                 inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)],
         )
@@ -329,7 +331,8 @@ def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
             except Exception as e:
                 errors = getattr(e, "errors", None)
                 why = errors()[0].get("msg", str(e)) if callable(errors) and errors() else str(e)
-                return _refuse_arguments(tool, f"do not fit its signature ({name!r}: {why})", argument=name)
+                return _refuse_arguments(tool, kwargs, f"do not fit its signature ({name!r}: {why})",
+                                         argument=name)
     return kwargs
 
 
