@@ -6,7 +6,10 @@ A journal is marked twice: ``PRAGMA application_id`` and a ``meta`` table naming
 
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +27,7 @@ __all__ = [
     "inspect",
     "migrate",
     "read_kind",
+    "reader_uri",
     "readonly_uri",
 ]
 
@@ -166,6 +170,11 @@ def inspect(path: Path, timeout: float = 5.0) -> FileKind:
     Raises ``OSError`` when the file cannot be read, and ``sqlite3.OperationalError`` when it stays
     locked by another process for ``timeout`` seconds (a busy file is not a foreign one).
     """
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(mode):  # a FIFO would block the read below until a writer comes
+        return FileKind("foreign", why="is not a regular file")
     with path.open("rb") as f:
         header = f.read(len(_HEADER))
     if not header:
@@ -199,7 +208,17 @@ def _read(uri: str, timeout: float) -> FileKind:
 
 def readonly_uri(path: Path) -> str:
     """The URI that opens ``path`` read-only: nothing can be written through it."""
-    return f"file:{quote(str(path.resolve()))}?mode=ro"
+    return f"file:{quote(os.fsencode(path.resolve()))}?mode=ro"
+
+
+def reader_uri(path: Path) -> str:
+    """The URI the journal's readers open ``path`` with: :func:`readonly_uri`, and immutable when
+    the file has no WAL beside it and this process cannot write its directory, where SQLite could
+    not make the ``-shm`` file that reading a WAL database needs (a journal archived read-only)."""
+    uri = readonly_uri(path)
+    if not Path(f"{path}-wal").exists() and not os.access(path.resolve().parent, os.W_OK):
+        uri += "&immutable=1"
+    return uri
 
 
 def migrate(conn: sqlite3.Connection, version: int) -> int:

@@ -265,7 +265,7 @@ class SQLiteJournal(LogReads):
                     f"The journal {path} has schema version {kind.version} and needs migrating to "
                     f"{schema.LATEST}; open it once for writing."
                 )
-            conn = self._connect(schema.readonly_uri(file), uri=True)
+            conn = self._connect(schema.reader_uri(file), uri=True)
             self._sync = _NORMAL
             return conn
         if not file.exists():
@@ -764,7 +764,7 @@ class SQLiteJournal(LogReads):
         """
         with self._lock:
             self._connection()
-        reader = self._connect(schema.readonly_uri(self._file), uri=True)
+        reader = self._connect(schema.reader_uri(self._file), uri=True)
         try:
             head = self._retry(reader, lambda: reader.execute(_SELECT_HEAD).fetchone())
             if head is None:
@@ -880,7 +880,7 @@ class SQLiteJournal(LogReads):
             raise ValueError(f"parts is a number, 1 or more, not {parts!r}")
         with self._lock:
             self._connection()
-        snapshot = self._connect(schema.readonly_uri(self._file), uri=True)
+        snapshot = self._connect(schema.reader_uri(self._file), uri=True)
         try:
             head = self._retry(snapshot, lambda: snapshot.execute(_SELECT_HEAD).fetchone())
             if head is not None:

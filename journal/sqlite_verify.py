@@ -110,7 +110,7 @@ def _projection_ok(conn: sqlite3.Connection, folded: dict[str, CallRecord], part
 def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -> bool:
     """Check one part of the journal at ``path`` whose head was ``head`` (a snapshot of its own:
     events are only ever appended, so events up to ``head`` are the same in any later snapshot)."""
-    conn = sqlite3.connect(schema.readonly_uri(Path(path)), uri=True, isolation_level=None)
+    conn = sqlite3.connect(schema.reader_uri(Path(path)), uri=True, isolation_level=None)
     try:
         conn.execute("BEGIN")  # the projection and the log it is compared with, at one moment
         lo, hi = _range(part, parts, head)

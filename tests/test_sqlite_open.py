@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import sqlite3
 import stat
+import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -413,3 +416,54 @@ def test_newest_first_reads_walk_the_index_without_sorting(tmp_path: Path, filte
     details = " | ".join(row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {select}"))
     conn.close()
     assert "calls_updated_at" in details and "TEMP B-TREE" not in details, details
+
+
+def test_a_fifo_is_not_a_journal_and_is_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "j.db"
+    os.mkfifo(fifo)
+    code = (f"from journal import SQLiteJournal, NotAJournal\n"
+            f"for readonly in (True, False):\n"
+            f"    try:\n"
+            f"        SQLiteJournal({str(fifo)!r}, readonly=readonly)\n"
+            f"    except NotAJournal as e:\n"
+            f"        print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.stdout.splitlines() == [f"The file {fifo} is not a regular file, not an airlock journal; "
+                                        "it was left unchanged."] * 2, done.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_journal_with_a_name_that_is_not_utf8_is_read(tmp_path: Path) -> None:
+    path = tmp_path / os.fsdecode(b"bad\xff.db")
+    make_journal(path)
+    with SQLiteJournal(path, readonly=True) as j:
+        assert j.get("c1") is not None and j.verify().ok
+        assert sum(n for _, n in j.export_lines()) == 1
+
+
+def test_a_journal_in_a_directory_the_reader_cannot_write_is_read(tmp_path: Path) -> None:
+    # An archived journal: closed cleanly, the file and its directory read-only for the reader,
+    # who cannot make the -shm file that reading a WAL database needs.
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    path = archive / "j.db"
+    make_journal(path)
+    assert listing(archive) == ["j.db"]
+    prefix: list[str] = []
+    if os.geteuid() == 0:  # root writes anywhere; drop the capabilities that let it
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to read as root without the right to ignore file modes")
+        prefix = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                  "--bounding-set=-dac_override,-dac_read_search"]
+    code = (f"from journal import SQLiteJournal\n"
+            f"j = SQLiteJournal({str(path)!r}, readonly=True)\n"
+            f"print(j.get('c1').status, j.verify().ok, sum(n for _, n in j.export_lines()))\n")
+    path.chmod(0o444)
+    archive.chmod(0o555)
+    try:
+        done = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    finally:
+        archive.chmod(0o755)
+        path.chmod(0o644)
+    assert done.stdout.split() == ["pending", "True", "1"], done.stderr[-1500:]
+    assert listing(archive) == ["j.db"]
