@@ -178,8 +178,8 @@ class _Call:
 
     # -- gates 1 to 5 --------------------------------------------------------------------------
 
-    def gates(self) -> Refusal | None:
-        """Gates 1-4 and the decision whether to escalate; the first refusal ends the call."""
+    def first_gates(self, bind: bool = True) -> Refusal | None:
+        """Gates 1-3, which do not look at the arguments; the first refusal ends the call."""
         policy, tool, eg = self.airlock.policy, self.tool, self.eg
         name = tool.name
         violation = policy.violation(name)
@@ -188,7 +188,7 @@ class _Call:
                 "policy_violation",
                 f"The tool {name!r} is {'denied' if violation == 'tool_denied' else 'not allowed'} "
                 "by this agent's policy; it was not run.",
-                violation_type=violation,
+                bind=bind, violation_type=violation,
             )
         if tool.capabilities:
             missing = policy.missing_capabilities(tool.capabilities)
@@ -197,14 +197,27 @@ class _Call:
                     "capability_denied",
                     f"The tool {name!r} needs the capabilities {', '.join(missing)}, which this agent "
                     "has not been granted; it was not run.",
-                    missing_capabilities=missing,
+                    bind=bind, missing_capabilities=missing,
                 )
         if eg is not None and eg.require_tool_call_id and self.tool_call_id is None and not tool.reversible:
             return self.refuse(
                 "tool_call_id_required",
                 f"The tool {name!r} has side effects and this call carries no tool call id, so it cannot "
                 "be run at most once; it was not run.",
+                bind=bind,
             )
+        return None
+
+    def gates(self) -> Refusal | None:
+        """Gates 1-4 and the decision whether to escalate; the first refusal ends the call."""
+        policy, tool, eg = self.airlock.policy, self.tool, self.eg
+        name = tool.name
+        # Gates 1-3 cost nothing to pass when no policy list, capability or missing id is involved.
+        if (policy.allowed_tools is not None or policy.denied_tools or tool.capabilities
+                or (eg is not None and self.tool_call_id is None)):
+            refusal = self.first_gates()
+            if refusal is not None:
+                return refusal
         bind_error: str | None = None
         try:
             bound, passed = tool.binder.bind(self.args, self.kwargs)
@@ -420,11 +433,13 @@ class Airlock:
         return refusal
 
     def refuse(self, fn: Callable[..., Any], code: str, error: str, arguments: Any = None, **details: Any) -> Any:
-        """Refuse a call to ``fn`` before it reaches the gates (for adapters), journaled like any refusal.
+        """Refuse a call to ``fn`` before it reaches the tool (for adapters), journaled like any refusal.
 
-        ``arguments`` are the model's decoded arguments. When they are a JSON object with a JSON form,
-        the refusal journals their canonical form and key as sent, not bound to the signature (they
-        may not fit it); otherwise it journals no arguments and no key.
+        Gates 1-3 come first: when one of them refuses the call, that refusal is the answer, not
+        ``code`` (the first gate that refuses ends the call). ``arguments`` are the model's decoded
+        arguments. When they are a JSON object with a JSON form, the refusal journals their
+        canonical form and key as sent, not bound to the signature (they may not fit it); otherwise
+        it journals no arguments and no key.
         """
         tool = _tool_of(fn)
         call = _Call(self, tool, (), {})
@@ -436,7 +451,8 @@ class Airlock:
             else:
                 call.key = key_from_canonical(tool.key_prefix, canonical)
                 call.arguments = canonical.decode()
-        return self.blocked(call.refuse(code, error, bind=False, **details))
+        refusal = call.first_gates(bind=False)
+        return self.blocked(refusal if refusal is not None else call.refuse(code, error, bind=False, **details))
 
     def __call__(self, fn: F) -> F:
         if not callable(fn) or not isinstance(getattr(fn, "__name__", None), str):

@@ -115,6 +115,26 @@ def test_a_call_without_an_id_is_refused_for_an_irreversible_tool_and_runs_for_a
     assert [(e.kind, e.call_id) for e in store.events()] == [("refused", None)]
 
 
+def test_a_call_without_an_id_is_refused_for_the_id_before_its_arguments_are_looked_at() -> None:
+    store, warehouse = InMemoryEffectStore(), Warehouse()
+    tools = make_tools(store, warehouse)
+
+    async def scenario() -> list[dict[str, Any]]:
+        calls = [("ship", {"sku": "E", "quantity": "many"}), ("ship", {"quantity": 2}), ("ship", "not an object"),
+                 ("stock", {"sku": 5, "extra": 1})]
+        return [json.loads(text(await adapter.adispatch({"name": name, "arguments": arguments}, tools)))
+                for name, arguments in calls]
+
+    unfit_ship_1, unfit_ship_2, unfit_ship_3, unfit_stock = run(scenario)
+    for refusal in (unfit_ship_1, unfit_ship_2, unfit_ship_3):
+        assert refusal["block_reason"] == "tool_call_id_required"
+        assert any("_meta['tool_call_id']" in h for h in refusal["fix_hints"])
+    # A reversible tool needs no id: its arguments are what is wrong.
+    assert unfit_stock["block_reason"] == "arguments_not_canonical"
+    assert warehouse.shipments == []
+    assert [e.reason["code"] for e in store.events()] == ["tool_call_id_required"] * 3 + ["arguments_not_canonical"]
+
+
 def test_unknown_tool_and_arguments_that_do_not_fit_are_error_results() -> None:
     store, warehouse = InMemoryEffectStore(), Warehouse()
     server = adapter.serve(make_tools(store, warehouse))

@@ -21,7 +21,6 @@ import orjson
 from ..airlock import Airlock, is_deferred, message_of
 from ..canonical import storable, to_json_value
 from ..context import AirlockContext, get_current_context
-from ..policy import required_capabilities
 from ..refusal import AirlockBlocked, Refusal, is_refusal, make_refusal
 from ..store import EffectEvent, EffectStore
 
@@ -265,34 +264,15 @@ def _unknown_tool(table: Mapping[str, _Guarded], name: str, call_id: str | None,
     return _refused(refusal)
 
 
-def _policy_refusal(tool: _Guarded) -> tuple[str, str, dict[str, Any]] | None:
-    """The refusal of gate 1 or 2, which come before the arguments are looked at (SPEC 2.4)."""
-    name = tool.guarded.__name__
-    policy = tool.airlock.policy
-    violation = policy.violation(name)
-    if violation is not None:
-        how = "denied" if violation == "tool_denied" else "not allowed"
-        return ("policy_violation", f"The tool {name!r} is {how} by this agent's policy; it was not run.",
-                {"violation_type": violation})
-    missing = policy.missing_capabilities(required_capabilities(tool.guarded))
-    if missing:
-        return ("capability_denied",
-                f"The tool {name!r} needs the capabilities {', '.join(missing)}, which this agent has not "
-                "been granted; it was not run.", {"missing_capabilities": missing})
-    return None
-
-
 def _refuse_arguments(tool: _Guarded, arguments: Any, problem: str, **details: Any) -> Outcome:
-    """The refusal of arguments that cannot be passed on; ``arguments`` as the model sent them
-    (decoded where they were JSON), journaled when they have a JSON form."""
-    refusal_of_policy = _policy_refusal(tool)
-    if refusal_of_policy is not None:
-        code, error, details = refusal_of_policy
-    else:
-        code, error = "arguments_not_canonical", f"The arguments to {tool.name!r} {problem}; it was not run."
-        details = {"violation_type": "arguments_invalid", **details}
+    """The refusal of arguments that cannot be passed on, unless a gate that comes before the
+    arguments (policy, capabilities, a missing tool call id) refuses the call first (SPEC 2.4);
+    ``arguments`` as the model sent them (decoded where they were JSON), journaled when they have a
+    JSON form."""
+    error = f"The arguments to {tool.name!r} {problem}; it was not run."
     try:
-        refusal = tool.airlock.refuse(tool.guarded, code, error, arguments, **details)
+        refusal = tool.airlock.refuse(tool.guarded, "arguments_not_canonical", error, arguments,
+                                      violation_type="arguments_invalid", **details)
     except AirlockBlocked as blocked:
         refusal = blocked.refusal
     return _refused(refusal)
