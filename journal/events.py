@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -62,7 +63,8 @@ class JournalEvent:
             kind=self.kind, call_id=self.call_id, tool=self.tool, at=self.at, agent_id=self.agent_id,
             idempotency_key=self.idempotency_key, arguments=self.arguments, value=self.value,
             error=self.error, reason=self.reason, actor=self.actor, attempt=self.attempt,
-            owner=self.owner if self.owner is not None else {}, seq=self.seq,
+            # An event recorded without an owner keeps none: the projection the append wrote holds none.
+            owner=cast(Mapping[str, Any], self.owner), seq=self.seq,
         )
 
     def export(self, redact: frozenset[str] = frozenset()) -> dict[str, Any]:

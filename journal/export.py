@@ -44,7 +44,8 @@ def _json(row: tuple[Any, ...], index: int, name: str) -> Any:
         return _loads(text)
     except orjson.JSONDecodeError as e:
         raise JournalError(
-            f"The {name} of event seq {row[0]} is not JSON; the journal has been altered (run verify)."
+            f"The {name} of event seq {row[0]} {'are' if name == 'arguments' else 'is'} not JSON; the journal "
+            "has been altered (run verify)."
         ) from e
 
 

@@ -159,7 +159,12 @@ def _head_and_record(conn: sqlite3.Connection, call_id: str | None) -> tuple[tup
     """Inside a write transaction: the log's (seq, hash) head and the current record of ``call_id``."""
     row = conn.execute(_SELECT_HEAD_AND_CALL, (call_id,)).fetchone()
     head = (0, GENESIS) if row[0] is None else (row[0], row[1])
-    return head, None if row[2] is None else record_from_row(row[2:])
+    if row[2] is None:
+        return head, None
+    try:
+        return head, record_from_row(row[2:])
+    except (ValueError, TypeError) as e:
+        raise JournalError(f"The stored record of the call {call_id!r} cannot be read ({e}); run verify.") from e
 
 
 def _call_row(record: CallRecord, known: dict[int, str | None] | None = None) -> tuple[Any, ...]:
@@ -602,7 +607,7 @@ class SQLiteJournal(LogReads):
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
         row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
-        return None if row is None else record_from_row(row)
+        return None if row is None else self._decoded(record_from_row, row)
 
     def _append(
         self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None, head: tuple[int, str]
@@ -743,11 +748,14 @@ class SQLiteJournal(LogReads):
                 if size >= _EXPORT_BYTES:
                     yield "".join(parts).encode(), count
                     parts, size, count = [], 0, 0
-        except sqlite3.Error as e:
-            if "JSON" in str(e):
+        except (sqlite3.Error, JournalError) as e:
+            cause = e.__cause__ if isinstance(e, JournalError) else e
+            if isinstance(cause, sqlite3.Error) and "JSON" in str(cause):
                 # json() refused a stored text: the row path names the event and the field.
                 for row in self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until):
                     next(jsonl_lines([row], redact))
+            if isinstance(e, JournalError):
+                raise
             raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
         if count:
             yield "".join(parts).encode(), count
@@ -760,7 +768,8 @@ class SQLiteJournal(LogReads):
         of its own. The log is append-only with a gapless ``seq``, so the pages are one consistent
         snapshot; and a reader that stalls between pages (an export into a pager left open) holds
         no read transaction, which would keep SQLite from checkpointing and grow the WAL for as
-        long as it stalls. Writers never wait for it. Raises sqlite3.Error.
+        long as it stalls. Writers never wait for it. Raises :class:`JournalError` (from the
+        sqlite3.Error).
         """
         with self._lock:
             self._connection()
@@ -853,13 +862,13 @@ class SQLiteJournal(LogReads):
                     c.execute("COMMIT")
             return JournalStats(
                 calls=sum(by_status.values()), events=events, by_status=by_status, by_tool=by_tool,
-                oldest_pending_at=parse_at(oldest["pending"]) if "pending" in oldest else None,
-                oldest_unknown_at=parse_at(oldest["unknown"]) if "unknown" in oldest else None,
+                oldest_pending_at=self._decoded(parse_at, oldest["pending"]) if "pending" in oldest else None,
+                oldest_unknown_at=self._decoded(parse_at, oldest["unknown"]) if "unknown" in oldest else None,
             )
 
         return self._read(read)
 
-    def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:
+    def _decoded(self, decode: Callable[[Any], T], row: Any) -> T:
         try:
             return decode(row)
         except (ValueError, TypeError) as e:

@@ -332,6 +332,36 @@ def test_an_event_whose_stored_json_was_broken_cannot_be_exported(journal: SQLit
         third.export()
     assert third.export(frozenset({"arguments"}))["arguments"] is None
     assert journal.verify().first_bad_seq == 3
+    with pytest.raises(JournalError, match="arguments of event seq 3 are not JSON"):
+        list(journal.export_lines())  # SQLite's own export names the event as well
+
+
+def test_an_altered_projection_row_is_a_journal_error_everywhere(journal: SQLiteJournal) -> None:
+    fill(journal)
+    call_id = journal.calls()[0].call_id
+    conn = raw(journal)
+    conn.execute("UPDATE calls SET owner = 'garbage', since = 'notatime', status = 'pending' WHERE call_id = ?",
+                 (call_id,))
+    conn.commit()
+    conn.close()
+    with pytest.raises(JournalError, match="cannot be read"):
+        journal.get(call_id)
+    with pytest.raises(JournalError, match="cannot be read"):
+        journal.stats()
+    with pytest.raises(JournalError, match="cannot be read"):
+        journal.resolve(call_id, applied=False, reason="checked", operator="ops", force=True)
+    before = journal.head()
+    with pytest.raises(JournalError, match="cannot be read"):
+        journal.append(EffectEvent("committed", call_id, "charge", attempt=1, value="1"))
+    assert journal.head() == before
+
+
+def test_rebuild_keeps_an_event_without_an_owner_as_the_append_did(journal: SQLiteJournal) -> None:
+    journal.append(EffectEvent(kind="pending", call_id="c1", tool="t", attempt=1, owner=None))  # type: ignore[arg-type]
+    assert journal.verify().ok
+    journal.rebuild()
+    assert journal.verify().ok
+    assert journal.get("c1").owner is None  # type: ignore[union-attr]
 
 
 def test_verify_finds_a_deleted_event(journal: SQLiteJournal) -> None:
