@@ -447,11 +447,19 @@ class PostgresJournal(LogReads):
                 f"{self.name} is not an airlock journal: schema {schema[0]} holds other tables ({shown}); "
                 "it was left unchanged (use an empty database, or another schema via search_path)"
             )
-        row = conn.execute("SELECT application, schema_version FROM airlock_journal_meta WHERE id = 1").fetchone()
+        unlike = (f"{self.name} is not an airlock journal: its table airlock_journal_meta is not a journal's "
+                  "meta table; it was left unchanged")
+        try:
+            row = conn.execute("SELECT application, schema_version FROM airlock_journal_meta WHERE id = 1").fetchone()
+        except psycopg.Error as e:  # other columns: another application's table of that name
+            raise NotAJournal(unlike) from e
         if row is None or row[0] != pg_schema.APPLICATION:
             raise NotAJournal(f"{self.name} is not an airlock journal: its meta table names "
                               f"{row[0] if row else 'no application'!r}; it was left unchanged")
-        version = int(row[1])
+        try:
+            version = int(row[1])
+        except (ValueError, TypeError) as e:
+            raise NotAJournal(unlike) from e
         if version > pg_schema.SCHEMA_VERSION:
             raise NewerSchema(
                 f"the journal {self.name} has schema version {version}, newer than this library's "

@@ -221,6 +221,22 @@ def test_a_meta_table_of_another_application_is_refused(pg_dsn: str) -> None:
     assert snapshot(pg_dsn) == before
 
 
+@pytest.mark.parametrize("table", [
+    "CREATE TABLE airlock_journal_meta (id smallint PRIMARY KEY, application text, schema_version text)",
+    "CREATE TABLE airlock_journal_meta (id smallint PRIMARY KEY, owner text, note text)",
+])
+def test_a_meta_table_of_another_shape_is_refused_without_a_traceback(pg_dsn: str, table: str) -> None:
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute(table)
+        if "schema_version" in table:
+            conn.execute("INSERT INTO airlock_journal_meta VALUES (1, 'airlock-journal', 'one')")
+    before = snapshot(pg_dsn)
+    for options in ({}, {"readonly": True}):
+        with pytest.raises(NotAJournal, match=r"airlock_journal_meta is not a journal's meta table.*left unchanged"):
+            PostgresJournal(pg_dsn, **options)
+    assert snapshot(pg_dsn) == before
+
+
 def test_a_journal_of_a_newer_schema_is_refused_and_left_unchanged(pg_dsn: str) -> None:
     with PostgresJournal(pg_dsn) as j:
         run(j, "c1")
