@@ -138,6 +138,13 @@ def _describe(dsn: str) -> str:
     return f"postgresql://{where}"
 
 
+def _dsn_keys(dsn: str) -> set[str]:
+    try:
+        return set(conninfo_to_dict(dsn))
+    except psycopg.Error:
+        return set()  # the connection attempt reports what is wrong with it
+
+
 def _record_or_none(row: tuple[Any, ...]) -> CallRecord | None:
     try:
         return record_from_row(row)
@@ -214,6 +221,20 @@ class PostgresJournal(LogReads):
             "connect_timeout": max(1, round(connect_timeout)),
             "fallback_application_name": "airlock-journal",
         }
+        # A server cut off by the network mid-statement would otherwise hold a guarded call until the
+        # kernel gives up on the connection (minutes): unacknowledged data, or an idle connection
+        # whose keepalives go unanswered, drop it within about busy_timeout + connect_timeout.
+        # Settings the DSN makes itself are left as they are.
+        given = _dsn_keys(dsn)
+        for key, value in (
+            ("keepalives", 1),
+            ("keepalives_idle", max(1, round(connect_timeout))),
+            ("keepalives_interval", 1),
+            ("keepalives_count", 3),
+            ("tcp_user_timeout", int((busy_timeout + connect_timeout) * 1000)),
+        ):
+            if key not in given:
+                self._connect_kwargs[key] = value
         self._recent: tuple[_Head, str | None, CallRecord | None] | None = None
         self._skip_cas = 0
         self._suspect = False  # a connection failed lately: probe the server before waiting on the pool

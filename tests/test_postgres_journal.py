@@ -486,3 +486,15 @@ def test_reading_the_events_stops_at_the_head_it_began_at(journal: PostgresJourn
     for _ in range(300):
         journal.append(EffectEvent("refused", None, "charge", reason={"code": "policy_violation", "message": "x"}))
     assert [first.seq, *(e.seq for e in events)] == list(range(1, 1201))
+
+
+def test_connections_give_up_on_a_server_the_network_cut_off(pg_dsn: str) -> None:
+    # A statement whose packets go unacknowledged, or an idle connection whose keepalives go
+    # unanswered, ends within about busy_timeout + connect_timeout, not the kernel's minutes.
+    with PostgresJournal(pg_dsn, busy_timeout=3, connect_timeout=2) as j, j._pool.connection() as conn:
+        settings = conn.info.get_parameters()
+    assert settings["tcp_user_timeout"] == "5000"
+    assert (settings["keepalives"], settings["keepalives_idle"], settings["keepalives_count"]) == ("1", "2", "3")
+    with PostgresJournal(pg_dsn + ("&" if "?" in pg_dsn else "?") + "tcp_user_timeout=9000") as j, \
+            j._pool.connection() as conn:
+        assert conn.info.get_parameters()["tcp_user_timeout"] == "9000"  # the DSN's own setting stands
