@@ -52,7 +52,8 @@ _HINTS: dict[str, tuple[str, ...]] = {
     "target_args_required": ("Name the target explicitly and call again.",),
     "arguments_not_canonical": (
         "Pass arguments that fit the tool's signature and have a JSON form: "
-        "strings, numbers, booleans, null, lists and objects (no NaN or infinity).",
+        "strings, numbers, booleans, null, lists and objects (no NaN or infinity, and integers within "
+        "64 bits: from -2**63 to 2**64 - 1).",
     ),
     "effect_status_unknown": (
         "Do not retry this call.",

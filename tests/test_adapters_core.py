@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from guard import Airlock, AirlockContext, SecurityPolicy, requires
-from guard.adapters import anthropic, openai
+from guard.adapters import _dispatch, anthropic, openai
 from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key, reversibility
 
 
@@ -449,6 +449,37 @@ else:
     class Address(pydantic.BaseModel):
         city: str
         postcode: str
+
+
+def test_an_integer_beyond_64_bits_is_not_rounded_into_another_call() -> None:
+    store = InMemoryEffectStore()
+    got: list[Any] = []
+
+    @guarded(store)
+    def transfer(units: Any) -> str:
+        got.append(units)
+        return "sent"
+
+    @reversibility("reversible")
+    @guarded(store)
+    def quote(units: Any, note: str) -> str:
+        got.append(units)
+        return "quoted"
+
+    def block(call_id: str, text: str) -> dict[str, Any]:
+        return {"type": "tool_use", "id": call_id, "name": "transfer", "input": text}
+
+    for units in ("18446744073709551617", "18446744073709551616", "-9223372036854775809"):
+        refusal = json.loads(anthropic.dispatch(block("toolu_9", f'{{"units": {units}}}'), [transfer])["content"])
+        assert refusal["block_reason"] == "arguments_not_canonical" and "64-bit" in refusal["error"]
+    assert got == [] and store.get("toolu_9") is None  # nothing ran, so the id is still unused
+    # The largest integer orjson reads exactly is keyed and passed as it is.
+    assert anthropic.dispatch(block("toolu_10", '{"units": 18446744073709551615}'), [transfer])["content"] == '"sent"'
+    assert got == [18446744073709551615]
+    # A reversible tool called without an id needs no key: it gets the exact integer, never a float.
+    text = b'{"units": 18446744073709551617, "note": "0000000000000000000"}'
+    outcome = _dispatch.dispatch([quote], "quote", None, text)
+    assert outcome.text == '"quoted"' and got[-1] == 18446744073709551617
 
 
 def test_a_json_object_is_checked_against_the_model_its_parameter_names() -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
+import re
 import typing
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -278,13 +280,29 @@ def _refuse_arguments(tool: _Guarded, arguments: Any, problem: str, **details: A
     return _refused(refusal)
 
 
+# Nineteen digits in a row: perhaps an integer beyond orjson's range (-2**63 to 2**64 - 1).
+_LONG_DIGITS = re.compile(r"[0-9]{19}")
+_LONG_DIGIT_BYTES = re.compile(rb"[0-9]{19}")
+
+
+def _long_digits(text: str | bytes | bytearray) -> bool:
+    if isinstance(text, str):
+        return _LONG_DIGITS.search(text) is not None
+    return _LONG_DIGIT_BYTES.search(text) is not None
+
+
 def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
     """The model's arguments as keyword arguments that fit the tool, or the refusal saying why not."""
     if isinstance(arguments, str | bytes | bytearray):
         try:
-            arguments = orjson.loads(arguments)
+            decoded = orjson.loads(arguments)
         except orjson.JSONDecodeError as e:
             return _refuse_arguments(tool, None, f"are not valid JSON ({e})")
+        if _long_digits(arguments):
+            # orjson reads an integer beyond 64 bits as a rounded float; the standard library keeps
+            # it exact, so the tool gets what the model sent and the guard refuses to key it.
+            decoded = json.loads(arguments)
+        arguments = decoded
     if not isinstance(arguments, Mapping):
         return _refuse_arguments(
             tool, arguments, f"are not a JSON object of named arguments (got {_json_kind(arguments)})",
