@@ -589,6 +589,9 @@ class SQLiteJournal(LogReads):
                     os.close(fd)
                 self._wal_fd = fd = os.open(wal, os.O_RDWR)
             _fdatasync(fd)
+            if self._closed:  # closed meanwhile: close() has already let go of the descriptor it saw
+                self._wal_fd = None
+                os.close(fd)
         except OSError as e:
             raise JournalError(f"The journal {self.path} could not be synced to disk: {e.strerror or e}.") from e
 
@@ -1009,6 +1012,8 @@ class SQLiteJournal(LogReads):
                 else:
                     _INHERITED.append(self._conn)
                 with self._group:
+                    while self._syncing:  # the fsync under way uses the descriptor
+                        self._group.wait()
                     if self._wal_fd is not None:
                         os.close(self._wal_fd)
                         self._wal_fd = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -142,3 +144,41 @@ def test_a_relative_path_keeps_naming_the_same_file_after_a_chdir(tmp_path: Path
     os.waitpid(pid, 0)
     assert [e.call_id for e in journal.events()] == ["c1", "c2", "from-child"]
     assert SQLiteJournal(second / "j.db").head()[0] == 0
+
+
+def test_close_while_threads_wait_for_their_fsync_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+
+    def wal_descriptors() -> int:
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                count += os.readlink(f"/proc/self/fd/{fd}") == f"{path}-wal"
+        return count
+
+    keeper = SQLiteJournal(path, durability="process")  # keeps the WAL, as another process would
+    keeper.head()
+    baseline = wal_descriptors()
+    for round_ in range(100):
+        journal = SQLiteJournal(path, durability="full")
+        go = threading.Event()
+
+        def call(worker: int, journal: SQLiteJournal = journal, round_: int = round_,
+                 go: threading.Event = go) -> None:
+            go.wait()
+            for n in range(50):
+                try:
+                    journal.begin(f"r{round_}-{worker}-{n}", run_pending(f"r{round_}-{worker}-{n}"))  # type: ignore[arg-type]
+                except Exception:
+                    return
+
+        threads = [threading.Thread(target=call, args=(worker,)) for worker in range(4)]
+        for thread in threads:
+            thread.start()
+        go.set()
+        time.sleep(random.random() * 0.004)
+        journal.close()
+        for thread in threads:
+            thread.join()
+        assert wal_descriptors() == baseline, f"round {round_}"
+    keeper.close()
