@@ -442,8 +442,16 @@ class SQLiteJournal(LogReads):
                 self._restore_busy_timeout(conn)
 
     def _write(self, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
-        with self._lock:
+        if not self._lock.acquire(timeout=self.busy_timeout):
+            raise self._own_lock_busy()
+        try:
             return self._transaction(self._connection(), sync, body)
+        finally:
+            self._lock.release()
+
+    def _own_lock_busy(self) -> StoreBusy:
+        return StoreBusy(f"The journal {self.path} stayed busy with another thread's work for "
+                         f"{self.busy_timeout:g} s.")
 
     def _combined(self, step: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
         """Run ``step`` in a write transaction at NORMAL; returns its result and the commit's ticket
@@ -457,9 +465,20 @@ class SQLiteJournal(LogReads):
         """
         request = _Request(step, time.monotonic() + self.busy_timeout)
         self._requests.append(request)
-        with self._lock:
-            if not request.done:
-                self._run_requests()
+        if self._lock.acquire(timeout=self.busy_timeout):
+            try:
+                if not request.done:
+                    self._run_requests()
+            finally:
+                self._lock.release()
+        else:
+            try:
+                self._requests.remove(request)
+            except ValueError:  # the thread holding the lock has taken it on: it is being made
+                with self._lock:
+                    pass
+            else:
+                raise self._own_lock_busy()
         if request.error is not None:
             raise request.error
         return request.result, request.ticket

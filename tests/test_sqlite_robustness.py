@@ -182,3 +182,46 @@ def test_close_while_threads_wait_for_their_fsync_leaves_no_descriptor_open(tmp_
             thread.join()
         assert wal_descriptors() == baseline, f"round {round_}"
     keeper.close()
+
+
+def test_a_write_waits_for_another_threads_long_work_only_until_its_busy_deadline(tmp_path: Path) -> None:
+    from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
+    from guard.effect_guard import EffectGuard
+    from journal import StoreBusy
+
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process", busy_timeout=0.2)
+    runs = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def pay(cents: int) -> int:
+        runs.append(cents)
+        return cents
+
+    held, release = threading.Event(), threading.Event()
+
+    def long_work() -> None:  # what a rebuild of a large journal, on the same object, amounts to
+        with journal._lock:
+            held.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=long_work)
+    worker.start()
+    held.wait()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreBusy, match=r"busy with another thread's work for 0\.2 s"):
+            journal.begin("c1", run_pending("c1"))  # type: ignore[arg-type]
+        with AirlockContext(metadata={"tool_call_id": "c2"}):
+            refused = pay(5)
+        waited = time.monotonic() - started
+        with pytest.raises(StoreBusy):
+            journal.append(refusal("c3"))
+    finally:
+        release.set()
+        worker.join()
+    assert is_refusal(refused) and refused["block_reason"] == "store_unavailable"
+    assert runs == [] and waited < 5
+    assert list(journal.events()) == []  # the writes given up were not made afterwards
+    with AirlockContext(metadata={"tool_call_id": "c2"}):
+        assert pay(5) == 5
+    assert runs == [5]
