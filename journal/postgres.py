@@ -853,7 +853,8 @@ class PostgresJournal(LogReads):
         def work(conn: Conn) -> int:
             conn.execute(_LOCK_HEAD).fetchone()
             folded: dict[str, CallRecord] = {}
-            with conn.cursor() as cur:
+            # A server-side cursor: the log comes in batches, never whole into this process's memory.
+            with conn.cursor(name="airlock_rebuild") as cur:
                 cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
                 while rows := cur.fetchmany(_BATCH):
                     for row in rows:
