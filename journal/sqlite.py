@@ -468,7 +468,7 @@ class SQLiteJournal(LogReads):
         if self._lock.acquire(timeout=self.busy_timeout):
             try:
                 if not request.done:
-                    self._run_requests()
+                    self._run_requests(request)
             finally:
                 self._lock.release()
         else:
@@ -476,17 +476,26 @@ class SQLiteJournal(LogReads):
                 self._requests.remove(request)
             except ValueError:  # the thread holding the lock has taken it on: it is being made
                 with self._lock:
-                    pass
+                    if not request.done:  # handed back, not made (that thread was interrupted)
+                        self._requests.remove(request)
+                        raise self._own_lock_busy() from None
             else:
                 raise self._own_lock_busy()
         if request.error is not None:
             raise request.error
         return request.result, request.ticket
 
-    def _run_requests(self) -> None:
-        """Under the lock: make every waiting write, in one transaction when they all succeed."""
+    def _run_requests(self, own: _Request) -> None:
+        """Under the lock: make every waiting write, in one transaction when they all succeed.
+
+        ``own`` is the calling thread's write: an interrupt of this thread (KeyboardInterrupt, an
+        exception from a signal handler) fails it, and hands the writes of the other threads,
+        not made, back to the queue for them to make.
+        """
         conn = self._connection()
         batch: list[_Request] = []
+        results: list[Any] | None = None
+        ticket: int | None = None
         requests = self._requests
         while requests:
             request = requests.popleft()
@@ -513,8 +522,9 @@ class SQLiteJournal(LogReads):
                     return
                 else:
                     self._written += 1
+                    ticket = self._written
                     for request, result in zip(batch, results, strict=True):
-                        request.result, request.ticket, request.done = result, self._written, True
+                        request.result, request.ticket, request.done = result, ticket, True
                     return
             for request in batch:
                 try:
@@ -523,10 +533,21 @@ class SQLiteJournal(LogReads):
                 except Exception as e:
                     request.error = e
                 request.ticket, request.done = self._written, True
-        except BaseException as e:  # interrupted: the writes not made fail in their threads
-            for request in batch:
+        except BaseException as e:
+            if results is not None:  # committed, and interrupted before every write was told so
+                if ticket is None:
+                    self._written += 1
+                    ticket = self._written
+                for request, result in zip(batch, results, strict=True):
+                    if not request.done:
+                        request.result, request.ticket, request.done = result, ticket, True
+            interrupted = not isinstance(e, Exception)
+            for request in reversed(batch):
                 if not request.done:
-                    request.error, request.done = e, True
+                    if interrupted and request is not own:
+                        self._requests.appendleft(request)  # undone with the transaction: its thread makes it
+                    else:
+                        request.error, request.done = e, True
             raise
 
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:

@@ -225,3 +225,31 @@ def test_a_write_waits_for_another_threads_long_work_only_until_its_busy_deadlin
     with AirlockContext(metadata={"tool_call_id": "c2"}):
         assert pay(5) == 5
     assert runs == [5]
+
+
+def test_an_interrupt_of_the_thread_making_a_shared_transaction_is_its_own(tmp_path: Path) -> None:
+    # Threads' writes are made together by whichever holds the connection; an interrupt of that
+    # thread must not be raised in the others, whose writes their threads then make themselves.
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process")
+    outcome: dict[str, object] = {}
+
+    def other() -> None:
+        try:
+            outcome["other"] = journal.begin("other", run_pending("other")).verdict  # type: ignore[arg-type]
+        except BaseException as e:
+            outcome["other"] = e
+
+    def interrupted(record: object) -> Decision:
+        raise KeyboardInterrupt
+
+    thread = threading.Thread(target=other)
+    with journal._lock:  # the other thread's write queues behind this thread's turn
+        thread.start()
+        while not journal._requests:
+            time.sleep(0.001)
+        with pytest.raises(KeyboardInterrupt):
+            journal.begin("mine", interrupted)  # makes both writes in one transaction, and is interrupted
+    thread.join(10)
+    assert outcome["other"] == Verdict.RUN
+    assert [(e.call_id, e.kind) for e in journal.events()] == [("other", "pending")]
+    assert journal.verify().ok
