@@ -87,6 +87,20 @@ def _after_fork_in_parent() -> None:
         _HELD_FOR_FORK.pop().release()
 
 
+def _sync_directory(path: str) -> None:
+    """fsync a directory, so the names made in it survive a power loss (where the OS allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # a directory that cannot be opened for it (some platforms): as SQLite does, go on
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse to fsync a directory; the file's own fsync still follows
+    finally:
+        os.close(fd)
+
+
 def _forked() -> None:
     _FORKS[0] += 1
     _HELD_FOR_FORK.clear()
@@ -628,6 +642,7 @@ class SQLiteJournal(LogReads):
                     self._wal_fd = None
                     os.close(fd)
                 self._wal_fd = fd = os.open(wal, os.O_RDWR)
+                _sync_directory(os.path.dirname(wal))  # a WAL new since the last fsync: its name too
             _fdatasync(fd)
             if self._closed:  # closed meanwhile: close() has already let go of the descriptor it saw
                 self._wal_fd = None

@@ -253,3 +253,20 @@ def test_an_interrupt_of_the_thread_making_a_shared_transaction_is_its_own(tmp_p
     assert outcome["other"] == Verdict.RUN
     assert [(e.call_id, e.kind) for e in journal.events()] == [("other", "pending")]
     assert journal.verify().ok
+
+
+def test_the_first_fsync_of_a_new_wal_makes_its_name_durable_too(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    journal = SQLiteJournal(tmp_path / "j.db", durability="full")
+    journal.begin("c1", run_pending("c1"))  # type: ignore[arg-type]
+    journal.begin("c2", run_pending("c2"))  # type: ignore[arg-type]
+    assert synced.count(str(tmp_path)) == 1  # once for the new WAL, not once a call
+    journal.close()
