@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -334,6 +335,11 @@ def export(
     """
     redacted = frozenset().union(*redact)  # every --redact given counts: none is dropped
     filters: dict[str, Any] = {"call_id": call_id, "tool": tool, "agent_id": agent_id, "since": since, "until": until}
+    journal_file = None if output is None else _journal_file(output, db)
+    if journal_file is not None:
+        what = "the journal" if journal_file == db else "a file SQLite keeps with the journal"
+        raise click.BadParameter(f"{output} is {what} {db}: write the export to another file",
+                                 param_hint="'--output' / '-o'")
     with open_journal(db, readonly=True, create=False) as j:
         if output is None:
             try:
@@ -348,7 +354,35 @@ def export(
     click.echo(f"Exported {written} events to {output}", err=True)
 
 
+def _journal_file(output: Path, db: str) -> str | None:
+    """Which of the SQLite journal ``db`` and the files SQLite keeps beside it ``output`` is, or None."""
+    if db.startswith(("postgresql://", "postgres://")):
+        return None
+    for name in (db, f"{db}-wal", f"{db}-shm", f"{db}-journal"):
+        if output.resolve() == Path(name).resolve():
+            return name
+        try:
+            if os.path.samefile(output, name):  # a hard link, say
+                return name
+        except OSError:  # one of the two does not exist: not the same file
+            continue
+    return None
+
+
 def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, redact: frozenset[str]) -> int:
+    try:
+        replaceable = stat.S_ISREG(output.stat().st_mode)
+    except FileNotFoundError:
+        replaceable = True
+    except OSError as e:
+        raise click.ClickException(f"cannot write to {output}: {e.strerror or e}") from e
+    if not replaceable:
+        # A FIFO or a device is written into: renaming a file over it would replace the node.
+        try:
+            with output.open("wb") as out:
+                return _write_export(j, filters, out, fmt, redact)
+        except OSError as e:
+            raise click.ClickException(f"the export could not be written to {output}: {e.strerror or e}") from e
     directory = output.resolve().parent
     try:
         fd, partial = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".partial", dir=directory)
@@ -356,12 +390,7 @@ def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, red
         raise click.ClickException(f"cannot write to {output}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "wb") as out:
-            if sys.stderr.isatty():
-                with click.progressbar(length=j.count_events(**filters), label="Exporting",
-                                       file=sys.stderr) as bar:
-                    written = write_events(j, filters, out, fmt=fmt, redact=redact, advance=bar.update)
-            else:
-                written = write_events(j, filters, out, fmt=fmt, redact=redact)
+            written = _write_export(j, filters, out, fmt, redact)
         os.replace(partial, output)
     except OSError as e:
         Path(partial).unlink(missing_ok=True)
@@ -370,6 +399,14 @@ def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, red
         Path(partial).unlink(missing_ok=True)
         raise
     return written
+
+
+def _write_export(j: Any, filters: dict[str, Any], out: BinaryIO, fmt: str, redact: frozenset[str]) -> int:
+    """Write the export to ``out``, with a progress bar when stderr is a terminal; returns the count."""
+    if sys.stderr.isatty():
+        with click.progressbar(length=j.count_events(**filters), label="Exporting", file=sys.stderr) as bar:
+            return write_events(j, filters, out, fmt=fmt, redact=redact, advance=bar.update)
+    return write_events(j, filters, out, fmt=fmt, redact=redact)
 
 
 # -- verify --------------------------------------------------------------------------------------

@@ -4,11 +4,13 @@ Each is one ``Error:`` line and an exit code, never a traceback, and the journal
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
-from tests.cli_support import digest, invoke, run_airlock, seed
+from tests.cli_support import count_events, digest, invoke, run_airlock, seed
 
 
 @pytest.fixture
@@ -164,3 +166,60 @@ def test_a_value_nested_as_deeply_as_allowed_is_stored_and_shown(db: Path) -> No
         shown = invoke("journal", *args, "--db", str(db))
         assert shown.exit_code == 0, (args, shown.output)
         assert value in shown.stdout
+
+
+# -- export --output that is not an ordinary file ------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "what"), [
+    ("journal.db", "the journal"),
+    ("journal.db-wal", "a file SQLite keeps with the journal"),
+    ("journal.db-shm", "a file SQLite keeps with the journal"),
+])
+def test_export_refuses_to_write_over_the_journal(db: Path, name: str, what: str) -> None:
+    invoke("journal", "stats", "--db", str(db))  # a reader leaves the -wal and -shm beside it
+    before = digest(db)
+    output = str(db.with_name(name))
+    result = invoke("journal", "export", "--db", str(db), "-o", output)
+    assert result.exit_code == 2, result.output
+    assert last_line(result.stderr) == (f"Error: Invalid value for '--output' / '-o': {output} is {what} {db}: "
+                                        "write the export to another file")
+    assert digest(db) == before
+    assert invoke("journal", "verify", "--db", str(db)).exit_code == 0
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink", "relative"])
+def test_export_refuses_the_journal_by_another_name(db: Path, link: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    other = db.with_name("other-name.jsonl")
+    if link == "symlink":
+        other.symlink_to(db)
+    elif link == "hardlink":
+        other.hardlink_to(db)
+    else:
+        monkeypatch.chdir(db.parent)
+        other = Path("..") / db.parent.name / db.name
+    before = digest(db)
+    result = invoke("journal", "export", "--db", str(db), "-o", str(other))
+    assert result.exit_code == 2, result.output
+    assert last_line(result.stderr) == (f"Error: Invalid value for '--output' / '-o': {other} is the journal {db}: "
+                                        "write the export to another file")
+    assert digest(db) == before
+
+
+def test_export_writes_into_a_fifo_and_leaves_it_a_fifo(db: Path) -> None:
+    fifo = db.with_name("out.fifo")
+    os.mkfifo(fifo)
+    # The reader is open before the writer, so neither waits; the export fits in the pipe's buffer.
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        result = run_airlock("journal", "export", "--db", str(db), "-o", str(fifo))
+        received = b""
+        while chunk := os.read(reader, 65536):
+            received += chunk
+    finally:
+        os.close(reader)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == f"Exported {count_events(db)} events to {fifo}\n"
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert received.decode() == invoke("journal", "export", "--db", str(db)).stdout
+    assert list(db.parent.glob("*.partial")) == []
