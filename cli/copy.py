@@ -9,7 +9,7 @@ import click
 from journal.copy import CopyReport, copy_journal
 from journal.errors import JournalNotFound
 
-from .options import journal_target, then
+from .options import echo, journal_target, then
 
 
 def _same(source: str, destination: str) -> bool:
@@ -41,7 +41,7 @@ def copy(source: str, destination: str) -> None:
         report = _run(source, destination)
     except JournalNotFound as e:
         raise click.ClickException(then(e, "--from names the journal to copy.")) from e
-    click.echo(
+    echo(
         f"Copied {report.events} events ({report.calls} calls) from {source} to {destination}; "
         f"the copy verifies, head {report.head}"
     )

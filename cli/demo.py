@@ -13,7 +13,7 @@ from guard.effect_guard import EffectGuard, reversibility
 from journal import open_journal
 
 from . import render
-from .options import journal_target
+from .options import echo, journal_target
 
 DEFAULT_DEMO_DB = "airlock-demo.db"
 AGENT = "billing-agent"
@@ -83,11 +83,11 @@ def demo(db: str) -> None:
     colour = render.use_colour()
 
     def heading(text: str) -> None:
-        click.echo(click.style(text, bold=True) if colour else text)
+        echo(click.style(text, bold=True) if colour else text)
 
     def say(who: str, text: str, status: str | None = None) -> None:
         label = f"   {who + ':':9}"
-        click.echo(f"{label}{render.paint(text, status, colour) if status else text}")
+        echo(f"{label}{render.paint(text, status, colour) if status else text}")
 
     backend = PaymentBackend()
     with open_journal(db) as j:
@@ -115,7 +115,7 @@ def demo(db: str) -> None:
         run = _run_number(j)
         first, second, third = (f"call_r{run}_{n}" for n in (1, 2, 3))
         heading(f"airlock demo: run {run}, journal {db}")
-        click.echo()
+        echo()
 
         heading(f"1. Pay invoice A-{run}: charge(account='acct_alice', cents=1250), tool call {first}")
         receipt = call(first, charge, account="acct_alice", cents=1250)
@@ -126,7 +126,7 @@ def demo(db: str) -> None:
         replay = call(first, charge, account="acct_alice", cents=1250)
         say("journal", f"replayed the stored receipt of {replay['charge_id']} to the model", "replayed")
         say("backend", f"not called again; {len(backend.ledger)} charge so far")
-        click.echo()
+        echo()
 
         heading(f"2. Pay invoice B-{run}: charge(account='acct_bob', cents=4200), tool call {second}")
         backend.lose_next_answer = True
@@ -141,26 +141,26 @@ def demo(db: str) -> None:
             raise click.ClickException(f"the retry of {second} was not refused: {refusal!r}")
         say("journal", f"refused {refusal['block_reason']}: the tool was not run again", "refused")
         say("backend", f"not called again; {len(backend.ledger)} charges so far")
-        click.echo()
+        echo()
 
         heading(f"3. Check: read_balance(account='acct_bob'), tool call {third} (a reversible tool)")
         say("backend", f"acct_bob was charged {_money(call(third, read_balance, account='acct_bob'))}")
-        click.echo()
+        echo()
 
         heading(f"The backend's ledger: {len(backend.ledger)} charges for 2 intended payments")
         for entry in backend.ledger:
-            click.echo(f"   {entry['charge_id']}  {entry['account']:<10}  {_money(entry['cents']):>6}  "
+            echo(f"   {entry['charge_id']}  {entry['account']:<10}  {_money(entry['cents']):>6}  "
                        f"key {entry['idempotency_key'][:12]}{render.ELLIPSIS}")
         if len(backend.ledger) != 2:
             raise click.ClickException(f"expected 2 charges, the backend made {len(backend.ledger)}")
-        click.echo()
+        echo()
 
         show_command = f"airlock journal show --db {shlex.quote(db)} --limit 3"
         heading(f"What `{show_command}` shows the operator:")
         records = j.calls(limit=3)
         for line in render.calls_table(records, width=render.terminal_width(), colour=colour):
-            click.echo(f"   {line}")
-        click.echo()
+            echo(f"   {line}")
+        echo()
 
         unknown = j.call(second)
         assert unknown is not None and unknown.idempotency_key is not None
@@ -168,9 +168,9 @@ def demo(db: str) -> None:
         heading(f"{second} stays unknown until someone asks the backend about key "
                 f"{unknown.idempotency_key[:12]}{render.ELLIPSIS}")
         if found is not None:
-            click.echo(f"   The backend has {found['charge_id']} for that key, so the operator settles it with:")
+            echo(f"   The backend has {found['charge_id']} for that key, so the operator settles it with:")
             value = orjson.dumps(found).decode()
             reason = f"backend ledger has {found['charge_id']} for this idempotency key"
-            click.echo(f"   airlock journal resolve {second} --db {shlex.quote(db)} --applied \\\n"
+            echo(f"   airlock journal resolve {second} --db {shlex.quote(db)} --applied \\\n"
                        f"       --value {shlex.quote(value)} \\\n"
                        f"       --reason {shlex.quote(reason)}")

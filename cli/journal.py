@@ -8,8 +8,6 @@ import os
 import stat
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -25,7 +23,18 @@ from journal.projection import fold
 
 from . import render
 from .export import NotJsonLines, read_export, write_events
-from .options import MOMENT, TEXT, FieldList, Group, db_option, describe, json_option
+from .options import (
+    MOMENT,
+    TEXT,
+    FieldList,
+    Group,
+    db_option,
+    describe,
+    echo,
+    echo_bytes,
+    json_option,
+    output_failed,
+)
 
 STATUSES = ("pending", "committed", "unknown", "released")
 
@@ -48,22 +57,7 @@ def journal() -> None:
 
 
 def _echo_lines(lines: list[str]) -> None:
-    click.echo("\n".join(lines))
-
-
-def _stdout() -> BinaryIO:
-    return sys.stdout.buffer
-
-
-@contextmanager
-def _quiet_broken_pipe() -> Iterator[None]:
-    """``... | head`` closes the pipe early: stop writing without a traceback."""
-    try:
-        yield
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        sys.exit(1)
+    echo("\n".join(lines))
 
 
 # -- show ----------------------------------------------------------------------------------------
@@ -120,11 +114,7 @@ def show(
         cut = len(records) > limit
         records = records[:limit]
         if as_json:
-            with _quiet_broken_pipe():
-                out = _stdout()
-                for record in records:
-                    out.write(render.dumps_line(render.call_json(record)))
-                out.flush()
+            echo_bytes(*(render.dumps_line(render.call_json(record)) for record in records))
             return
     if not records:
         click.echo("No calls match.", err=True)
@@ -158,12 +148,12 @@ def _show_call(call_id: str, as_json: bool, db: str) -> None:
     if as_json:
         shown = render.call_json(record) if record is not None else render.unprojected_call_json(call_id, events)
         shown["events"] = [e.export() for e in events]
-        _stdout().write(render.dumps_line(shown))
+        echo_bytes(render.dumps_line(shown))
         return
     colour = render.use_colour()
     _echo_lines(render.call_lines(call_id, record, events, width=render.terminal_width(), colour=colour))
     if record is not None and record.status in ("pending", "unknown"):
-        click.echo(
+        echo(
             f"\nAsk the backend whether idempotency key {record.idempotency_key} was applied, then settle it:\n"
             f"  airlock journal resolve {call_id} --applied --reason \"...\"      (it happened)\n"
             f"  airlock journal resolve {call_id} --not-applied --reason \"...\"  (it did not)"
@@ -280,15 +270,15 @@ def resolve(
     with open_journal(db, create=False) as j:
         event = j.resolve(call_id, applied=applied, reason=reason, operator=operator, value=value, force=force)
     if as_json:
-        _stdout().write(render.dumps_line(event.export()))
+        echo_bytes(render.dumps_line(event.export()))
         return
-    click.echo(f"Appended seq {event.seq}: {event.kind} by {event.actor} for call {call_id} (attempt {event.attempt}).")
+    echo(f"Appended seq {event.seq}: {event.kind} by {event.actor} for call {call_id} (attempt {event.attempt}).")
     if event.kind == "released":
-        click.echo("The next call with this id runs the tool again.")
+        echo("The next call with this id runs the tool again.")
     elif event.value is not None:
-        click.echo(f"Replays of this call now return {event.value}.")
+        echo(f"Replays of this call now return {event.value}.")
     else:
-        click.echo("Replays of this call are refused replay_value_unavailable; it is never run again.")
+        echo("Replays of this call are refused replay_value_unavailable; it is never run again.")
 
 
 # -- export --------------------------------------------------------------------------------------
@@ -343,12 +333,11 @@ def export(
     with open_journal(db, readonly=True, create=False) as j:
         if output is None:
             try:
-                with _quiet_broken_pipe():
-                    out = _stdout()
-                    write_events(j, filters, out, fmt=fmt, redact=redacted)
-                    out.flush()
+                out = sys.stdout.buffer
+                write_events(j, filters, out, fmt=fmt, redact=redacted)
+                out.flush()
             except OSError as e:
-                raise click.ClickException(f"the export could not be written: {e.strerror or e}") from e
+                output_failed(e, "the export")
             return
         written = _export_to_file(j, filters, output, fmt, redacted)
     click.echo(f"Exported {written} events to {output}", err=True)
@@ -449,18 +438,17 @@ def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -
             report = j.verify()
         source = describe(db)
     if as_json:
-        _stdout().write(render.dumps_line({
+        echo_bytes(render.dumps_line({
             "ok": report.ok, "events": report.events, "head": report.head,
             "first_bad_seq": report.first_bad_seq, "problem": report.problem,
         }))
-        if not report.ok:
-            raise SystemExit(1)
-        return
-    if not report.ok:
+    if not report.ok:  # with --json too: the JSON on stdout, the one line on stderr
         if report.first_bad_seq is not None:
             raise click.ClickException(f"{source} does not verify at seq {report.first_bad_seq}: {report.problem}")
         raise click.ClickException(f"{source} does not verify: {report.problem}")
-    click.echo(f"OK: {report.events} events, head {report.head}")
+    if as_json:
+        return
+    echo(f"OK: {report.events} events, head {report.head}")
 
 
 # -- rebuild -------------------------------------------------------------------------------------
@@ -480,7 +468,7 @@ def rebuild(db: str) -> None:
     """
     with open_journal(db, create=False) as j:
         calls = j.rebuild()
-    click.echo(f"Rebuilt the projection: {calls} calls")
+    echo(f"Rebuilt the projection: {calls} calls")
 
 
 # -- stats ---------------------------------------------------------------------------------------
@@ -503,7 +491,7 @@ def stats(as_json: bool, db: str) -> None:
     with open_journal(db, readonly=True, create=False) as j:
         counted = j.stats()
     if as_json:
-        _stdout().write(render.dumps_line(render.stats_json(counted)))
+        echo_bytes(render.dumps_line(render.stats_json(counted)))
         return
     _echo_lines(render.stats_lines(counted, colour=render.use_colour()))
 

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import click
@@ -34,6 +36,41 @@ class Group(click.Group):
             raise click.ClickException(then(e, f"Name the journal with --db or {DB_ENVVAR}.")) from e
         except JournalError as e:
             raise click.ClickException(one_line(str(e) or type(e).__name__)) from e
+
+
+def echo(text: str = "") -> None:
+    """``text`` and a line feed on stdout (as click.echo); a failed write ends the command, see
+    :func:`output_failed`."""
+    try:
+        click.echo(text)
+    except OSError as e:
+        output_failed(e)
+
+
+def echo_bytes(*chunks: bytes) -> None:
+    """``chunks`` written to stdout as they are, then flushed; a failed write ends the command."""
+    out = sys.stdout.buffer
+    try:
+        for chunk in chunks:
+            out.write(chunk)
+        out.flush()
+    except OSError as e:
+        output_failed(e)
+
+
+def output_failed(error: OSError, what: str = "the output") -> NoReturn:
+    """End the command after a write to stdout failed: a pipe closed early (``... | head``) exits 1
+    without a word, any other error (a full disk) is ``Error: the output could not be written``."""
+    try:
+        # What is left in stdout's buffer would fail again when Python flushes it at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file (a test's): nothing is flushed at exit
+        pass
+    if isinstance(error, BrokenPipeError):
+        sys.exit(1)
+    raise click.ClickException(f"{what} could not be written: {error.strerror or error}") from error
 
 
 def one_line(message: str) -> str:

@@ -5,12 +5,15 @@ Each is one ``Error:`` line and an exit code, never a traceback, and the journal
 from __future__ import annotations
 
 import os
+import sqlite3
 import stat
+import subprocess
 from pathlib import Path
 
+import orjson
 import pytest
 
-from tests.cli_support import count_events, digest, invoke, run_airlock, seed
+from tests.cli_support import AIRLOCK, count_events, digest, invoke, run_airlock, seed
 
 
 @pytest.fixture
@@ -223,3 +226,66 @@ def test_export_writes_into_a_fifo_and_leaves_it_a_fifo(db: Path) -> None:
     assert stat.S_ISFIFO(fifo.stat().st_mode)
     assert received.decode() == invoke("journal", "export", "--db", str(db)).stdout
     assert list(db.parent.glob("*.partial")) == []
+
+
+# -- stdout that takes no more -------------------------------------------------------------------
+
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+
+
+def run_into(stdout: int, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """The installed ``airlock`` with its stdout on the file descriptor ``stdout``."""
+    env = {k: v for k, v in os.environ.items() if k != "AIRLOCK_JOURNAL"}
+    return subprocess.run([AIRLOCK, *args], stdout=stdout, stderr=subprocess.PIPE, env=env, timeout=60)
+
+
+@needs_dev_full
+@pytest.mark.parametrize("args", [
+    ["journal", "show"], ["journal", "show", "--json"], ["journal", "show", "call-ok"],
+    ["journal", "show", "call-ok", "--json"], ["journal", "stats"], ["journal", "stats", "--json"],
+    ["journal", "verify"], ["journal", "verify", "--json"], ["journal", "rebuild"],
+    ["journal", "resolve", "call-timeout", "--not-applied", "--reason", "r"],
+])
+def test_a_full_disk_on_stdout_is_one_error_line(db: Path, args: list[str]) -> None:
+    with open("/dev/full", "wb") as full:  # only ever stdout, through the descriptor
+        result = run_into(full.fileno(), *args, "--db", str(db))
+    assert result.returncode == 1
+    assert result.stderr.decode() == "Error: the output could not be written: No space left on device\n"
+
+
+@needs_dev_full
+def test_a_full_disk_on_the_stdout_of_the_demo_is_one_error_line(tmp_path: Path) -> None:
+    with open("/dev/full", "wb") as full:
+        result = run_into(full.fileno(), "demo", "--db", str(tmp_path / "demo.db"))
+    assert result.returncode == 1
+    assert result.stderr.decode() == "Error: the output could not be written: No space left on device\n"
+
+
+@pytest.mark.parametrize("args", [["journal", "stats"], ["journal", "show", "--json"], ["journal", "verify"]])
+def test_a_pipe_closed_before_the_output_ends_the_command_quietly(db: Path, args: list[str]) -> None:
+    reading, writing = os.pipe()
+    os.close(reading)  # nobody will read: the first write is EPIPE
+    try:
+        result = run_into(writing, *args, "--db", str(db))
+    finally:
+        os.close(writing)
+    assert result.returncode == 1
+    assert result.stderr == b""
+
+
+def test_verify_json_of_a_bad_chain_also_prints_the_error_line(db: Path) -> None:
+    conn = sqlite3.connect(db)
+    try:
+        conn.execute("DROP TRIGGER events_no_update")
+        conn.execute("UPDATE events SET arguments = '{\"account\":\"acct_1\",\"cents\":5}' WHERE seq = 2")
+        conn.commit()
+    finally:
+        conn.close()
+    result = invoke("journal", "verify", "--json", "--db", str(db))
+    assert result.exit_code == 1
+    problem = "seq 2 has been altered: its hash does not match its fields"
+    assert result.stderr == f"Error: {db} does not verify at seq 2: {problem}\n"
+    reported = orjson.loads(result.stdout)
+    assert (reported["ok"], reported["first_bad_seq"], reported["problem"]) == (False, 2, problem)
+    plain = invoke("journal", "verify", "--db", str(db))
+    assert plain.exit_code == 1 and plain.stderr == result.stderr
