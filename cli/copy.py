@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
-from journal.copy import CopyReport, copy_journal
+from journal import open_journal
+from journal.copy import CopyReport, copy_from
 from journal.errors import JournalNotFound
 
-from .options import echo, journal_target, then
+from .options import describe, echo, journal_target, then
 
 
 def _same(source: str, destination: str) -> bool:
@@ -37,19 +39,25 @@ def copy(source: str, destination: str) -> None:
     """
     if _same(source, destination):
         raise click.UsageError("--from and --to name the same journal")
+    # Opened apart, so that a journal that does not exist is blamed on the right flag.
     try:
-        report = _run(source, destination)
+        src = open_journal(source, readonly=True, create=False)
     except JournalNotFound as e:
         raise click.ClickException(then(e, "--from names the journal to copy.")) from e
+    with src:
+        try:
+            report = _run(src, source, destination)
+        except JournalNotFound as e:
+            raise click.ClickException(then(e, "--to names the journal to copy into.")) from e
     echo(
-        f"Copied {report.events} events ({report.calls} calls) from {source} to {destination}; "
+        f"Copied {report.events} events ({report.calls} calls) from {describe(source)} to {describe(destination)}; "
         f"the copy verifies, head {report.head}"
     )
 
 
-def _run(source: str, destination: str) -> CopyReport:
+def _run(src: Any, source: str, destination: str) -> CopyReport:
     def on_total(total: int) -> None:
         if sys.stderr.isatty():  # a progress note for a person; scripts get only the result or the error
-            click.echo(f"Copying {total} events from {source} to {destination} ...", err=True)
+            click.echo(f"Copying {total} events from {describe(source)} to {describe(destination)} ...", err=True)
 
-    return copy_journal(source, destination, on_total=on_total)
+    return copy_from(src, destination, on_total=on_total)

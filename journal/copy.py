@@ -21,7 +21,7 @@ from .projection import fold_into
 from .rows import CALL_COLUMNS, EVENT_COLUMNS, call_row, event_row
 from .sqlite import SQLiteJournal
 
-__all__ = ["CopyReport", "copy_journal", "import_events"]
+__all__ = ["CopyReport", "copy_from", "copy_journal", "import_events"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,20 +111,40 @@ def copy_journal(
     destination, or a copy that does not verify.
     """
     with open_journal(source, readonly=True, create=False) as src:
-        checked = src.verify()
-        if not checked.ok:
+        return copy_from(src, destination, progress=progress, on_total=on_total)
+
+
+def copy_from(
+    src: Any,
+    destination: str,
+    *,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> CopyReport:
+    """Copy the open journal ``src`` into ``destination``, as :func:`copy_journal` does.
+
+    The destination is opened only once the source verifies, so a :class:`JournalNotFound` raised
+    here is about the destination.
+    """
+    checked = src.verify()
+    if not checked.ok:
+        raise JournalError(
+            f"the source {_name(src)} does not verify (seq {checked.first_bad_seq}: {checked.problem}); "
+            "it was not copied"
+        )
+    last_seq, head = src.head()
+    if on_total is not None:
+        on_total(last_seq)
+    with open_journal(destination, create=True) as dst:
+        calls = import_events(dst, _bounded(src.events(), last_seq, progress))
+        copied = dst.verify()
+        if not copied.ok or (copied.events, copied.head) != (last_seq, head):
             raise JournalError(
-                f"the source {source} does not verify (seq {checked.first_bad_seq}: {checked.problem}); "
-                "it was not copied"
+                f"the copy in {_name(dst)} does not verify: {copied.problem or 'its head differs'}"
             )
-        last_seq, head = src.head()
-        if on_total is not None:
-            on_total(last_seq)
-        with open_journal(destination, create=True) as dst:
-            calls = import_events(dst, _bounded(src.events(), last_seq, progress))
-            copied = dst.verify()
-            if not copied.ok or (copied.events, copied.head) != (last_seq, head):
-                raise JournalError(
-                    f"the copy in {destination} does not verify: {copied.problem or 'its head differs'}"
-                )
     return CopyReport(events=last_seq, calls=calls, head=head)
+
+
+def _name(journal: Any) -> str:
+    """The journal for a message: a SQLite file's path, a PostgreSQL journal's URL without its password."""
+    return str(journal.path) if isinstance(journal, SQLiteJournal) else str(journal.name)

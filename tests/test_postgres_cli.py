@@ -115,3 +115,65 @@ def test_a_command_that_reads_never_creates_a_postgres_journal(pg_dsn: str, pg_s
         assert conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone() == (0,)
     missing = invoke("journal", *command, "--db", pg_server.dsn_for("no_such_db"))
     assert missing.exit_code == 1 and "does not exist" in missing.stderr
+
+
+# -- copy: what it prints of a URL ---------------------------------------------------------------
+
+SECRET = "hunter2"
+
+
+def with_password(dsn: str) -> str:
+    """``dsn`` with a password (the server trusts the login, so any is accepted), as an operator pastes it."""
+    assert dsn.startswith("postgresql://postgres@")
+    return dsn.replace("postgres@", f"postgres:{SECRET}@", 1)
+
+
+def test_copy_prints_a_url_without_its_password(tmp_path: Path, pg_dsn: str) -> None:
+    source = tmp_path / "j.db"
+    seed(source)
+    result = invoke("journal", "copy", "--from", str(source), "--to", with_password(pg_dsn))
+    assert result.exit_code == 0, result.output
+    with PostgresJournal(pg_dsn, readonly=True) as copied:
+        events, head = copied.head()
+    assert result.stdout == (f"Copied {events} events (4 calls) from {source} to {pg_dsn}; "
+                             f"the copy verifies, head {head}\n")
+    assert SECRET not in result.stdout + result.stderr
+
+
+def test_copy_of_a_source_that_does_not_verify_names_it_without_its_password(both: tuple[str, str],
+                                                                             tmp_path: Path) -> None:
+    _, pg_db = both
+    with psycopg.connect(pg_db, autocommit=True) as conn:
+        conn.execute("ALTER TABLE events DISABLE TRIGGER events_append_only")
+        conn.execute("UPDATE events SET tool = 'x' WHERE seq = 1")
+    with PostgresJournal(pg_db, readonly=True) as journal:
+        name = journal.name
+    result = invoke("journal", "copy", "--from", with_password(pg_db), "--to", str(tmp_path / "out.db"))
+    assert result.exit_code == 1
+    assert result.stderr == (f"Error: the source {name} does not verify (seq 1: seq 1 has been altered: its hash "
+                             "does not match its fields); it was not copied\n")
+    assert SECRET not in result.stdout + result.stderr
+    assert not (tmp_path / "out.db").exists()
+
+
+def test_copy_into_a_database_that_does_not_exist_blames_to(tmp_path: Path, pg_server: PgServer) -> None:
+    source = tmp_path / "j.db"
+    seed(source)
+    missing = with_password(pg_server.dsn_for("no_such_db"))
+    result = invoke("journal", "copy", "--from", str(source), "--to", missing)
+    assert result.exit_code == 1
+    line = result.stderr.strip()
+    assert len(result.stderr.splitlines()) == 1 and line.startswith("Error: the journal postgresql://")
+    assert line.endswith("does not exist); create the database first (createdb). --to names the journal to copy "
+                         "into.")
+    assert "--from" not in line and SECRET not in line
+
+
+def test_copy_from_a_database_that_does_not_exist_blames_from(tmp_path: Path, pg_server: PgServer) -> None:
+    result = invoke("journal", "copy", "--from", with_password(pg_server.dsn_for("no_such_db")),
+                    "--to", str(tmp_path / "out.db"))
+    assert result.exit_code == 1
+    line = result.stderr.strip()
+    assert line.endswith("create the database first (createdb). --from names the journal to copy.")
+    assert SECRET not in line
+    assert not (tmp_path / "out.db").exists()
