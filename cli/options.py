@@ -220,9 +220,8 @@ class Moment(click.ParamType):
                     param,
                     ctx,
                 )
-        # Stored times compare as text, which holds only for four-digit years.
-        if at is None or not 1000 <= at.year <= 9999:
-            self.fail(f"{value!r} is out of range: give a time in the years 1000 to 9999 (UTC)", param, ctx)
+        if at is None:
+            self.fail(f"{value!r} is out of range: give a time in the years 1 to 9999 (UTC)", param, ctx)
         return at
 
 

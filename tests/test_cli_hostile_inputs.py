@@ -29,7 +29,7 @@ def last_line(text: str) -> str:
 
 # -- times and counts out of range ---------------------------------------------------------------
 
-OUT_OF_RANGE = "is out of range: give a time in the years 1000 to 9999 (UTC)"
+OUT_OF_RANGE = "is out of range: give a time in the years 1 to 9999 (UTC)"
 
 
 @pytest.mark.parametrize(("command", "flag"), [("show", "--since"), ("export", "--since"), ("export", "--until")])
@@ -39,8 +39,6 @@ OUT_OF_RANGE = "is out of range: give a time in the years 1000 to 9999 (UTC)"
     "9" * 5000 + "d",  # more digits than int() reads
     "0001-01-01T00:00:00+01:00",  # the year 0 in UTC
     "9999-12-31T23:59:59-01:00",  # the year 10000 in UTC
-    "0999-12-31T23:59:59Z",  # a three-digit year, which stored times cannot be compared with
-    "500000d",
 ])
 def test_a_moment_out_of_range_is_a_usage_error(db: Path, command: str, flag: str, moment: str) -> None:
     before = digest(db)
@@ -51,7 +49,8 @@ def test_a_moment_out_of_range_is_a_usage_error(db: Path, command: str, flag: st
     assert digest(db) == before
 
 
-@pytest.mark.parametrize("moment", ["1000-01-01", "9999-12-31T23:59:59.999999Z"])
+@pytest.mark.parametrize("moment", ["0001-01-01T01:00:00+01:00", "0999-12-31", "500000d", "1000-01-01",
+                                    "9999-12-31T23:59:59.999999Z"])
 def test_the_first_and_last_moments_in_range_are_taken(db: Path, moment: str) -> None:
     since = invoke("journal", "export", "--db", str(db), "--since", moment)
     until = invoke("journal", "export", "--db", str(db), "--until", moment)
