@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -333,4 +334,9 @@ def stats_json(stats: Any) -> dict[str, Any]:
 
 def dumps_line(obj: Any) -> bytes:
     """One JSON Lines line."""
-    return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        # Nested deeper than orjson writes (a stored value may come close to its limit, and the line
+        # wraps it a level or three more): the standard library writes the same compact JSON.
+        return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()

@@ -78,7 +78,7 @@ def jsonl_lines(rows: Iterable[tuple[Any, ...]], redact: frozenset[str] = frozen
     redacted = sorted(redact)
     if redact:
         for row in rows:
-            yield _dumps(_line(row, redact, redacted), option=_NEWLINE)
+            yield _dumped(_line(row, redact, redacted), row)
         return
     loads, dumps, sha256, newline = _loads, _dumps, _sha256, _NEWLINE
     for row in rows:
@@ -101,7 +101,26 @@ def jsonl_lines(rows: Iterable[tuple[Any, ...]], redact: frozenset[str] = frozen
             }
         except orjson.JSONDecodeError:
             line = _line(row, redact, redacted)
-        yield dumps(line, option=newline)
+        try:
+            yield dumps(line, option=newline)
+        except TypeError:
+            yield _dumped(line, row)
+
+
+_STORED_JSON = (("arguments", 7), ("value", 8), ("error", 9), ("reason", 10), ("owner", 13))
+
+
+def _dumped(line: dict[str, Any], row: tuple[Any, ...]) -> bytes:
+    """``line`` as a JSON line; a value nested deeper than orjson writes (about 250 levels, which a
+    stored value may reach) goes in as its stored text, which is canonical JSON already."""
+    try:
+        return _dumps(line, option=_NEWLINE)
+    except TypeError:
+        shallow = dict(line)
+        for field, index in _STORED_JSON:
+            if shallow[field] is not None:
+                shallow[field] = _Fragment(row[index])
+        return _dumps(shallow, option=_NEWLINE)
 
 
 def csv_cells(rows: Iterable[tuple[Any, ...]], redact: frozenset[str] = frozenset()) -> Iterator[list[str]]:

@@ -170,6 +170,25 @@ def test_a_value_nested_as_deeply_as_allowed_is_stored_and_shown(db: Path) -> No
         assert value in shown.stdout
 
 
+def test_a_tool_value_nested_as_deeply_as_it_can_be_stored_is_shown(tmp_path: Path) -> None:
+    import orjson
+
+    from guard.store import EffectEvent
+    from journal import SQLiteJournal
+
+    value: object = 1
+    for _ in range(254):  # as deep as orjson writes, so as deep as a tool's value is ever stored
+        value = [value]
+    path = tmp_path / "deep.db"
+    with SQLiteJournal(path) as journal:
+        journal.append(EffectEvent("pending", "deep", "nest", attempt=1))
+        journal.append(EffectEvent("committed", "deep", "nest", attempt=1, value=orjson.dumps(value).decode()))
+    for args in (["show", "--json"], ["show", "deep", "--json"]):
+        shown = invoke("journal", *args, "--db", str(path))
+        assert shown.exit_code == 0, (args, shown.output)
+        assert orjson.loads(shown.stdout.splitlines()[0])["value"] == value
+
+
 # -- export --output that is not an ordinary file ------------------------------------------------
 
 

@@ -617,3 +617,23 @@ def test_reading_the_events_stops_at_the_head_it_began_at(tmp_path: Path) -> Non
         for n in range(1201, 1501):
             journal.append(EffectEvent("pending", "hot", "charge", attempt=n, arguments="{}"))
         assert [first.seq, *(e.seq for e in events)] == list(range(1, 1201))
+
+
+@pytest.mark.parametrize("redact", [frozenset(), frozenset({"arguments"})])
+def test_a_value_nested_as_deep_as_it_can_be_stored_is_exported_and_verifies(
+    journal: SQLiteJournal, redact: frozenset[str]
+) -> None:
+    from journal.chain import verify_lines
+    from journal.reading import LogReads
+
+    value: Any = 1
+    for _ in range(254):  # as deep as orjson writes, so as deep as a tool's value is ever stored
+        value = [value]
+    journal.append(event("pending", "c1", minute=1))
+    journal.append(event("committed", "c1", minute=2, value=orjson.dumps(value).decode()))
+    own = b"".join(lines for lines, _ in journal.export_lines(redact=redact))
+    shared = b"".join(lines for lines, _ in LogReads.export_lines(journal, redact=redact))  # PostgreSQL's path
+    assert own == shared
+    lines = [orjson.loads(line) for line in shared.splitlines()]
+    assert verify_lines(lines).ok
+    assert lines[1]["value"] == value
