@@ -267,6 +267,10 @@ def resolve(
     operator = default_operator() if operator is None else operator.strip()
     if not operator:
         raise click.BadParameter("name who settles the call", param_hint="--operator")
+    # Checked on a read-only open first: opening for writing would migrate an older journal, and a
+    # refused resolve changes nothing.
+    with open_journal(db, readonly=True) as j:
+        j.check_resolve(call_id, applied=applied, reason=reason, operator=operator, value=value, force=force)
     with open_journal(db, create=False) as j:
         event = j.resolve(call_id, applied=applied, reason=reason, operator=operator, value=value, force=force)
     if as_json:

@@ -218,3 +218,29 @@ def test_a_pending_call_whose_owner_was_killed_but_not_reaped_resolves_without_f
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize("call_id", ["nope", "call-ok"])
+def test_a_refused_resolve_leaves_an_older_journal_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              call_id: str) -> None:
+    # Opening for writing migrates an older journal; a resolve that is refused must not get that far.
+    import sqlite3
+
+    from journal import schema
+
+    path = tmp_path / "old.db"
+    monkeypatch.setattr(schema, "LATEST", schema.LATEST - 1)
+    seed(path)
+    monkeypatch.undo()
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    before = digest(path)
+    result = invoke("journal", "resolve", call_id, "--applied", "--reason", "x", "--db", str(path))
+    assert result.exit_code == 1 and result.stderr.startswith("Error: ")
+    assert digest(path) == before
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone() == (schema.LATEST - 1,)
+    conn.close()
+    settled = invoke("journal", "resolve", "call-timeout", "--applied", "--reason", "x", "--db", str(path))
+    assert settled.exit_code == 0, settled.output  # an accepted one migrates it, and is made
