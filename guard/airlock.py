@@ -21,7 +21,7 @@ from .canonical import (
     to_json_value,
 )
 from .context import AirlockContext, CallContext, active, enter_call, leave_call
-from .effect_guard import EffectGuard, decide_attempt, reversibility_of
+from .effect_guard import TAGS_LOCK, EffectGuard, decide_attempt, reversibility_of
 from .oversight import OversightRequest, OversightResponse, OversightVerdict
 from .policy import SecurityPolicy, required_capabilities
 from .refusal import AirlockBlocked, Refusal, make_refusal
@@ -465,9 +465,12 @@ class Airlock:
         cache: list[_Tool] = []
 
         def tool() -> _Tool:
-            if not cache:
-                cache.append(_Tool(fn, wrapper))
-            return cache[0]
+            # Off the hot path (a call reads cache[0] once it is filled); the lock keeps a tag
+            # put on meanwhile from being overwritten by the tags read before it.
+            with TAGS_LOCK:
+                if not cache:
+                    cache.append(_Tool(fn, wrapper))
+                return cache[0]
 
         if inspect.iscoroutinefunction(fn):
 
@@ -538,8 +541,9 @@ class Airlock:
 
         def retag() -> None:
             # A @reversibility or @requires put on above this wrapper after its first call.
-            if cache:
-                cache[0] = _Tool(fn, wrapper)
+            with TAGS_LOCK:
+                if cache:
+                    cache[0] = _Tool(fn, wrapper)
 
         wrapper.__airlock__ = self  # type: ignore[attr-defined]
         wrapper.__airlock_tool__ = tool  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
@@ -40,6 +41,9 @@ _REVERSIBILITY_ATTR = "__airlock_reversibility__"
 # What @Airlock sets on its wrapper (functools.wraps copies both onto a decorator above it).
 _GUARDED_ATTR = "__airlock_tool__"
 _RETAG_ATTR = "__airlock_retag__"
+# Held while a tag is merged in and while a guard reads its tags into its cache, so that a tag is
+# never lost between the two; a call whose tags are cached never takes it.
+TAGS_LOCK = threading.RLock()
 # An enum member costs a class attribute lookup each time on Python 3.11; the hot path keeps them.
 _RUN, _REPLAY, _REFUSE = Verdict.RUN, Verdict.REPLAY, Verdict.REFUSE
 
@@ -91,23 +95,25 @@ def tag_along(fn: Callable[..., Any], attr: str, merge: Callable[[Any], Any]) ->
 
     A tag put above ``@Airlock`` with another decorator in between is on no object the guard
     reads from its own wrapper down; so it is recorded on that wrapper too, and a guard that has
-    already read its tags (at its first call) reads them again.
+    already read its tags (at its first call) reads them again. Under :data:`TAGS_LOCK`, so that
+    two tags put on at once both hold and a guard reading its tags meanwhile sees this one.
     """
-    for obj in wrapped_chain(fn):
-        own = getattr(obj, "__dict__", None)
-        if not isinstance(own, dict):
-            own = {}
-        guarded = _GUARDED_ATTR in own
-        if obj is not fn and not guarded:
-            continue
-        previous = getattr(obj, attr, None)
-        value = merge(previous)
-        if value != previous:
-            setattr(obj, attr, value)
-            if guarded:
-                retag = own.get(_RETAG_ATTR)
-                if callable(retag):
-                    retag()
+    with TAGS_LOCK:
+        for obj in wrapped_chain(fn):
+            own = getattr(obj, "__dict__", None)
+            if not isinstance(own, dict):
+                own = {}
+            guarded = _GUARDED_ATTR in own
+            if obj is not fn and not guarded:
+                continue
+            previous = getattr(obj, attr, None)
+            value = merge(previous)
+            if value != previous:
+                setattr(obj, attr, value)
+                if guarded:
+                    retag = own.get(_RETAG_ATTR)
+                    if callable(retag):
+                        retag()
 
 
 def reversibility_of(fn: Callable[..., Any]) -> Reversibility:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import threading
 from typing import Any
 
 import pytest
 
+import guard.airlock
+import guard.policy
 from guard import (
     Airlock,
     AirlockBlocked,
@@ -21,7 +24,7 @@ from guard import (
     is_refusal,
     requires,
 )
-from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key, reversibility
+from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key, reversibility, tag_along
 
 
 def ctx(call_id: str | None = "tc-1", agent_id: str | None = "agent-1") -> AirlockContext:
@@ -575,6 +578,75 @@ def test_a_tag_put_on_after_the_first_call_is_read() -> None:
     with ctx("after"):
         assert wrapped(2)["block_reason"] == "capability_denied"
         assert guarded(2)["block_reason"] == "capability_denied"  # one tool, one set of tags
+
+
+def test_a_tag_put_on_while_the_first_call_reads_the_tags_is_obeyed_by_every_later_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runs: list[str] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard()))
+    def wipe_db() -> str:
+        runs.append("wiped")
+        return "wiped"
+
+    reading, tagged = threading.Event(), threading.Event()
+    read_tags = guard.airlock.required_capabilities
+
+    def slow_to_read(fn: Any) -> frozenset[str]:
+        found = read_tags(fn)
+        if threading.current_thread().name == "first-call":
+            reading.set()
+            tagged.wait(5)  # the tag is put on while the first call is reading the old ones
+        return found
+
+    monkeypatch.setattr(guard.airlock, "required_capabilities", slow_to_read)
+    views: list[Any] = []
+
+    def first_call() -> None:
+        with ctx("first"):
+            wipe_db()
+
+    first = threading.Thread(target=first_call, name="first-call")
+    first.start()
+    assert reading.wait(5)
+    tagger = threading.Thread(target=lambda: views.append(requires("admin")(logged(wipe_db))))
+    tagger.start()
+    tagger.join(0.2)  # done at once, or waiting for the first call to have read its tags
+    tagged.set()
+    first.join(5)
+    tagger.join(5)
+    with ctx("second"):
+        assert views[0]()["block_reason"] == "capability_denied"
+    with ctx("third"):
+        assert wipe_db()["block_reason"] == "capability_denied"
+    assert runs == ["wiped"]  # only the call that began before the tag
+
+
+def test_two_tags_put_on_at_once_both_hold() -> None:
+    def charge(cents: int) -> int:
+        return cents
+
+    guarded = Airlock(policy=SecurityPolicy(effect_guard=EffectGuard()))(charge)
+    merging, other_done = threading.Event(), threading.Event()
+
+    def slow_union(existing: Any) -> frozenset[str]:
+        merging.set()
+        other_done.wait(5)  # another @requires is put on meanwhile
+        return frozenset(existing or ()) | {"payments:write"}
+
+    first = threading.Thread(target=tag_along, args=(guarded, guard.policy._REQUIRES_ATTR, slow_union))
+    first.start()
+    assert merging.wait(5)
+    second = threading.Thread(target=requires("admin"), args=(guarded,))
+    second.start()
+    second.join(0.2)
+    other_done.set()
+    first.join(5)
+    second.join(5)
+    with ctx("c1"):
+        refusal = guarded(1)
+    assert refusal["metadata"]["missing_capabilities"] == ["admin", "payments:write"]
 
 
 def test_effect_guard_default_store_is_fresh_per_guard() -> None:
