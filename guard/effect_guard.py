@@ -72,8 +72,12 @@ def reversibility(tag: Reversibility) -> Callable[[F], F]:
     def stricter(previous: Any) -> Any:
         return tag if previous not in _RANK or _RANK[tag] > _RANK[previous] else previous
 
+    def tightens(guarded: Any) -> bool:
+        # On a decorator above @Airlock a tag may make the tool stricter, never less strict.
+        return _RANK[tag] > _RANK[reversibility_of(guarded)]
+
     def mark(fn: F) -> F:
-        tag_along(fn, _REVERSIBILITY_ATTR, stricter)
+        tag_along(fn, _REVERSIBILITY_ATTR, stricter, tightens)
         return fn
 
     return mark
@@ -89,9 +93,13 @@ def wrapped_chain(fn: Callable[..., Any]) -> Iterator[Any]:
         obj = getattr(obj, "__wrapped__", None)
 
 
-def tag_along(fn: Callable[..., Any], attr: str, merge: Callable[[Any], Any]) -> None:
+def tag_along(
+    fn: Callable[..., Any], attr: str, merge: Callable[[Any], Any],
+    takes: Callable[[Any], bool] | None = None,
+) -> None:
     """Set ``attr`` of ``fn`` to ``merge(its current value)``, and the same on each ``@Airlock``
-    wrapper along its ``__wrapped__`` chain.
+    wrapper along its ``__wrapped__`` chain below ``fn`` for which ``takes(wrapper)`` is true
+    (every one when ``takes`` is None).
 
     A tag put above ``@Airlock`` with another decorator in between is on no object the guard
     reads from its own wrapper down; so it is recorded on that wrapper too, and a guard that has
@@ -104,7 +112,7 @@ def tag_along(fn: Callable[..., Any], attr: str, merge: Callable[[Any], Any]) ->
             if not isinstance(own, dict):
                 own = {}
             guarded = _GUARDED_ATTR in own
-            if obj is not fn and not guarded:
+            if obj is not fn and (not guarded or (takes is not None and not takes(obj))):
                 continue
             previous = getattr(obj, attr, None)
             value = merge(previous)

@@ -550,6 +550,42 @@ def test_a_stricter_tag_above_another_decorator_keeps_the_tool_from_running_twic
     assert runs == [500]
 
 
+def test_a_less_strict_tag_above_another_decorator_does_not_let_the_tool_run_twice() -> None:
+    runs: list[int] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard()))
+    def pay(cents: int) -> None:  # untagged: irreversible
+        runs.append(cents)
+        raise TimeoutError("response lost")  # the charge may have happened
+
+    view = reversibility("reversible")(logged(pay))  # someone else's decorator around the same tool
+    with ctx("pay-1"):
+        with pytest.raises(TimeoutError):
+            pay(500)
+        assert pay(500)["block_reason"] == "effect_status_unknown"
+        assert view(500)["block_reason"] == "effect_status_unknown"
+    with ctx("pay-2"):
+        with pytest.raises(TimeoutError):
+            view(700)
+        assert view(700)["block_reason"] == "effect_status_unknown"
+    assert runs == [500, 700]
+
+
+def test_a_costly_tag_above_another_decorator_leaves_an_untagged_tool_irreversible() -> None:
+    runs: list[str | None] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(target_args=("account",))))
+    def refund(account: str | None = None) -> None:
+        runs.append(account)
+
+    view = reversibility("costly")(logged(refund))
+    with ctx("r1"):
+        assert refund()["block_reason"] == "target_args_required"
+    with ctx("r2"):
+        assert view()["block_reason"] == "target_args_required"
+    assert runs == []
+
+
 def test_requires_above_another_decorator_is_asked_for() -> None:
     runs: list[str] = []
 
