@@ -292,6 +292,41 @@ def test_a_value_with_no_json_form_is_the_json_string_of_its_str_and_cannot_be_r
     assert json.loads(again["content"])["block_reason"] == "replay_value_unavailable"
 
 
+class Flaky:
+    """A value whose model_dump works for JSON and then fails: storing it raises."""
+
+    def model_dump(self, mode: str = "python") -> dict[str, Any]:
+        if mode == "json":
+            return {"balance": None}
+        raise RuntimeError("the connection behind this value is closed")
+
+    def __str__(self) -> str:
+        return "<balance of a closed connection>"
+
+
+def test_a_value_whose_serialisation_raises_is_the_json_string_of_its_str(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = InMemoryEffectStore()
+    runs: list[str] = []
+
+    @guarded(store)
+    def balance(account: str) -> Flaky:
+        runs.append(account)
+        return Flaky()
+
+    with caplog.at_level(logging.ERROR, logger="guard"):
+        first = anthropic.dispatch(use("toolu_7", "balance", {"account": "a"}), [balance])
+    assert first == {"type": "tool_result", "tool_use_id": "toolu_7",
+                     "content": '"<balance of a closed connection>"', "is_error": False}
+    assert "could not record committed" in caplog.text
+    # The guard could not record the outcome: the call stays pending, and a retry is refused.
+    assert store.get("toolu_7").status == "pending"
+    again = asyncio.run(openai.adispatch(chat("toolu_7", "balance", {"account": "a"}), [balance]))
+    assert json.loads(again["content"])["block_reason"] == "effect_status_unknown"
+    assert runs == ["a"]
+
+
 # A file name that is not UTF-8, as os.fsdecode() gives it on Linux: 'report-\udcff.txt'.
 ODD_NAME = os.fsdecode(b"report-\xff.txt")
 

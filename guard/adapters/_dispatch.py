@@ -189,8 +189,13 @@ def _json_text(obj: Any) -> str:
 
 def _text(value: Any) -> str:
     """The tool's value as the model reads it: its JSON form (the form a replay returns); a value
-    that has none is sent as the JSON string of its ``str()``, so the text is always JSON."""
-    text = to_json_value(value)
+    that has none, or whose serialisation raises (a model_dump that fails), is sent as the JSON
+    string of its ``str()``, so the text is always JSON and the adapter never raises after the
+    tool ran."""
+    try:
+        text = to_json_value(value)
+    except Exception:
+        text = None
     return text if text is not None else _json_text(_shown(value))
 
 
