@@ -160,8 +160,9 @@ class _Call:
         if journal and self.eg is not None:
             self.record(
                 EffectEvent(
-                    kind="refused", call_id=self.tool_call_id, tool=self.tool.name, agent_id=self.agent_id,
-                    idempotency_key=self.key, arguments=self.arguments,
+                    # The ids may come from the model: a lone surrogate in one would make the event unstorable.
+                    kind="refused", call_id=storable(self.tool_call_id), tool=storable(self.tool.name),
+                    agent_id=storable(self.agent_id), idempotency_key=self.key, arguments=self.arguments,
                     reason={"code": code, "message": storable(error)}, attempt=self.attempt,
                 )
             )

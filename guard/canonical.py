@@ -15,7 +15,7 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, overload
 
 import orjson
 
@@ -91,9 +91,19 @@ def to_json_value(obj: Any) -> str | None:
         return None
 
 
-def storable(text: str) -> str:
+@overload
+def storable(text: str) -> str: ...
+
+
+@overload
+def storable(text: None) -> None: ...
+
+
+def storable(text: str | None) -> str | None:
     """``text`` as every store can keep it: a lone surrogate (an ``os.fsdecode``'d file name, say)
-    has no UTF-8 form, so it is written as its backslash escape (``\\udcff``)."""
+    has no UTF-8 form, so it is written as its backslash escape (``\\udcff``). None stays None."""
+    if text is None:
+        return None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

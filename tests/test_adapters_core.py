@@ -19,6 +19,7 @@ import pytest
 from guard import Airlock, AirlockContext, SecurityPolicy, requires
 from guard.adapters import _dispatch, anthropic, openai
 from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key, reversibility
+from tests.stores import store_events
 
 
 def chat(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
@@ -383,6 +384,27 @@ def test_an_unknown_tool_name_with_a_lone_surrogate_is_refused_in_json() -> None
     result = openai.dispatch({"id": "c2", "function": {"name": odd, "arguments": "{}"}}, [charge])
     refusal = readable(result["content"])
     assert refusal["block_reason"] == "policy_violation" and refusal["metadata"]["tool"] == "charge\\udcff"
+
+
+def test_a_refusal_naming_a_lone_surrogate_is_journaled_on_every_store(store: Any) -> None:
+    @requires("admin")
+    @guarded(store)
+    def charge(cents: int) -> int:
+        return cents
+
+    odd_name, odd_id = "charge" + ODD_NAME[-5], "call_" + ODD_NAME[-5]
+    unknown = openai.dispatch({"id": odd_id, "function": {"name": odd_name, "arguments": "{}"}}, [charge],
+                              agent_id="agent-" + ODD_NAME[-5])
+    assert readable(unknown["content"])["metadata"]["violation_type"] == "unknown_tool"
+    denied = anthropic.dispatch(use(odd_id, "charge", {"cents": 1}), [charge])
+    assert readable(denied["content"])["block_reason"] == "capability_denied"
+    # Each refusal is one refused event, its name and ids kept as the model reads them.
+    events = store_events(store)
+    assert [(e.kind, e.tool, e.call_id, e.reason["code"]) for e in events] == [
+        ("refused", "charge\\udcff", "call_\\udcff", "policy_violation"),
+        ("refused", "charge", "call_\\udcff", "capability_denied"),
+    ]
+    assert events[0].agent_id == "agent-\\udcff"
 
 
 def test_adispatch_awaits_an_awaitable_a_def_tool_returns() -> None:

@@ -262,9 +262,10 @@ def _unknown_tool(table: Mapping[str, _Guarded], name: str, call_id: str | None,
     stores = _stores(table)
     if len(stores) == 1:
         try:
+            # The name and the id are the model's: a lone surrogate is kept as its backslash escape.
             stores[0].append(EffectEvent(
-                kind="refused", call_id=call_id, tool=name, agent_id=agent_id,
-                reason={"code": "policy_violation", "message": error},
+                kind="refused", call_id=storable(call_id), tool=storable(name), agent_id=storable(agent_id),
+                reason={"code": "policy_violation", "message": storable(error)},
             ))
         except Exception as e:
             log.error("store could not record refused for unknown tool %r (tool_call_id=%s): %r", name, call_id, e)
