@@ -346,6 +346,19 @@ def test_a_value_with_a_lone_surrogate_reaches_the_model_escaped() -> None:
     assert readable(result["content"]) == "report-\\udcff.txt"
 
 
+def test_a_dict_with_a_lone_surrogate_is_the_json_string_of_its_str_and_cannot_be_replayed(store: Any) -> None:
+    @guarded(store)
+    def list_files(folder: str) -> dict[str, list[str]]:
+        return {"files": [ODD_NAME]}
+
+    first = openai.dispatch(chat("c1", "list_files", {"folder": "/tmp"}), [list_files])
+    assert readable(first["content"]) == "{'files': ['report-\\udcff.txt']}"  # a string, not an object
+    record = store.get("c1")
+    assert record.status == "committed" and record.value is None
+    again = openai.dispatch(chat("c1", "list_files", {"folder": "/tmp"}), [list_files])
+    assert readable(again["content"])["block_reason"] == "replay_value_unavailable"
+
+
 def test_an_exception_with_a_lone_surrogate_is_an_error_result() -> None:
     store = InMemoryEffectStore()
 
