@@ -370,9 +370,11 @@ class _Call:
     def returned(self, result: Any) -> None:
         if self.verdict is not _RUN:
             return
+        kind = "committed"
         try:
             if type(result) not in _PLAIN and is_deferred(result):
-                self.outcome("unknown", error={
+                kind = "unknown"
+                self.outcome(kind, error={
                     "type": storable(type(result).__name__),
                     "message": "the tool returned a deferred result; its effect happens as it is consumed",
                 })
@@ -386,7 +388,7 @@ class _Call:
             else:
                 self.outcome("committed", value=value)
         except Exception as e:
-            self.not_recorded("committed", e)  # the caller still gets the value
+            self.not_recorded(kind, e)  # the caller still gets the value
 
     def raised(self, exc: BaseException) -> None:
         if self.verdict is not _RUN:

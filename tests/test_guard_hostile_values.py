@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import guard.airlock
 from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.canonical import NotCanonical, canonical_json
 from guard.effect_guard import EffectGuard, InMemoryEffectStore
@@ -185,3 +186,23 @@ def test_an_ambiguous_error_with_a_lone_surrogate_is_unknown_on_every_store(stor
     record = store.get("u2")
     assert (record.status, record.error["message"]) == ("unknown", "no answer for report-\\udcff.pdf")
     assert call(tool, "u2", "x")["block_reason"] == "effect_status_unknown"
+
+
+def test_a_deferred_result_that_cannot_be_recorded_is_logged_as_unknown(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = InMemoryEffectStore()
+
+    def owner_unknown() -> Any:
+        raise OSError("the host name could not be read")
+
+    def pages(count: int) -> Any:
+        yield from range(count)
+
+    tool = guarded(store, pages)
+    monkeypatch.setattr(guard.airlock, "current_owner", owner_unknown)  # after the pending, before the outcome
+    with caplog.at_level(logging.ERROR, logger="guard"):
+        result = call(tool, "g1", 2)
+    assert list(result) == [0, 1]
+    assert "could not record unknown for pages" in caplog.text and "could not record committed" not in caplog.text
+    assert store.get("g1").status == "pending"
