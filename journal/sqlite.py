@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import orjson
 
@@ -60,6 +60,12 @@ _WAL_KEEP = 16 * 1024 * 1024
 # checkpoint and delete a WAL that the parent still writes); they are parked here instead.
 _INHERITED: list[sqlite3.Connection] = []
 _FORKS = [0]  # how many forks this process descends from: a change means the connection was inherited
+
+
+def _held(lock: threading.RLock) -> int:
+    """How many times the calling thread holds ``lock`` (0: not at all)."""
+    count: int = cast(Any, lock)._recursion_count()
+    return count
 
 
 def _settle(conn: sqlite3.Connection) -> None:
@@ -134,7 +140,7 @@ _SELECT_HEAD_AND_CALL = (
 class _Request:
     """One thread's write (``step``, run in a transaction at NORMAL), and what came of it."""
 
-    __slots__ = ("deadline", "done", "error", "forks", "result", "step", "ticket")
+    __slots__ = ("deadline", "done", "error", "forks", "result", "staged", "staged_in", "step", "ticket")
 
     def __init__(self, step: Callable[[sqlite3.Connection], Any], deadline: float) -> None:
         self.step = step
@@ -144,15 +150,22 @@ class _Request:
         self.result: Any = None
         self.error: BaseException | None = None
         self.ticket = 0
+        self.staged: Any = None  # what step returned in the transaction numbered staged_in
+        self.staged_in = 0
+
+    def run(self, journal: SQLiteJournal, conn: sqlite3.Connection) -> Any:
+        result = self.step(conn)
+        self.staged, self.staged_in = result, journal._txn
+        return result
 
 
 class _StepFailed(Exception):
     """A write of a batch raised (its ``__cause__``): the batch is undone and made write by write."""
 
 
-def _step_of(request: _Request, conn: sqlite3.Connection) -> Any:
+def _step_of(journal: SQLiteJournal, request: _Request, conn: sqlite3.Connection) -> Any:
     try:
-        return request.step(conn)
+        return request.run(journal, conn)
     except Exception as e:
         raise _StepFailed() from e
 
@@ -267,6 +280,10 @@ class SQLiteJournal(LogReads):
         self._arguments: tuple[str | None, str | None] = (None, None)
         self._reset_group()
         self._closed = False
+        self._txn = 0  # write transactions begun, numbered
+        self._committing = 0  # the one whose COMMIT was sent
+        self._committed = 0  # the last one known committed
+        self._counted = 0  # the last one counted in _written
         self._conn = self._open()
         self._forks = _FORKS[0]
         _JOURNALS.add(self)
@@ -440,14 +457,21 @@ class SQLiteJournal(LogReads):
                         self._sync = None  # unknown until the PRAGMA has run, should it be interrupted
                         conn.execute(f"PRAGMA synchronous = {sync}")
                         self._sync = sync
+                    self._txn += 1
+                    txn = self._txn
                     try:
                         conn.execute("BEGIN IMMEDIATE")
                         result = body(conn)
+                        self._committing = txn
                         conn.execute("COMMIT")
-                    except BaseException:
+                    except BaseException as e:
                         if conn.in_transaction:
                             conn.execute("ROLLBACK")
+                        elif self._committing == txn and not isinstance(e, sqlite3.Error):
+                            # COMMIT ran, and an interrupt came as it returned: it is made all the same.
+                            self._committed = txn
                         raise
+                    self._committed = txn
                     return result
                 except sqlite3.Error as e:
                     waited = self._wait(conn, e, deadline)
@@ -456,12 +480,17 @@ class SQLiteJournal(LogReads):
                 self._restore_busy_timeout(conn)
 
     def _write(self, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
-        if not self._lock.acquire(timeout=self.busy_timeout):
-            raise self._own_lock_busy()
+        lock = self._lock
+        depth = _held(lock)
         try:
+            if not lock.acquire(timeout=self.busy_timeout):
+                raise self._own_lock_busy()
             return self._transaction(self._connection(), sync, body)
         finally:
-            self._lock.release()
+            # Released by what this thread holds, not by whether acquire() returned: an interrupt can
+            # come as it returns, before anything else runs.
+            if _held(lock) > depth:
+                lock.release()
 
     def _own_lock_busy(self) -> StoreBusy:
         return StoreBusy(f"The journal {self.path} stayed busy with another thread's work for "
@@ -478,23 +507,22 @@ class SQLiteJournal(LogReads):
         raises, in its own thread. Each thread returns only after the commit that holds its write.
         """
         request = _Request(step, time.monotonic() + self.busy_timeout)
+        lock = self._lock
+        depth = _held(lock)
         self._requests.append(request)
-        if self._lock.acquire(timeout=self.busy_timeout):
-            try:
-                if not request.done:
-                    self._run_requests(request)
-            finally:
-                self._lock.release()
-        else:
-            try:
-                self._requests.remove(request)
-            except ValueError:  # the thread holding the lock has taken it on: it is being made
-                with self._lock:
-                    if not request.done:  # handed back, not made (that thread was interrupted)
-                        self._requests.remove(request)
-                        raise self._own_lock_busy() from None
-            else:
-                raise self._own_lock_busy()
+        try:
+            if not lock.acquire(timeout=self.busy_timeout):
+                try:
+                    self._requests.remove(request)
+                except ValueError:  # the thread holding the lock has taken it on: it is being made
+                    lock.acquire()
+                else:
+                    raise self._own_lock_busy()
+            if not request.done:  # not made by another thread (or handed back by an interrupted one)
+                self._run_requests(request)
+        finally:
+            if _held(lock) > depth:  # see _write
+                lock.release()
         if request.error is not None:
             raise request.error
         return request.result, request.ticket
@@ -503,23 +531,23 @@ class SQLiteJournal(LogReads):
         """Under the lock: make every waiting write, in one transaction when they all succeed.
 
         ``own`` is the calling thread's write: an interrupt of this thread (KeyboardInterrupt, an
-        exception from a signal handler) fails it, and hands the writes of the other threads,
-        not made, back to the queue for them to make.
+        exception from a signal handler) fails it, and hands the writes of the other threads that
+        its transaction did not make back to the queue, for their threads to make.
         """
         conn = self._connection()
         batch: list[_Request] = []
-        results: list[Any] | None = None
-        ticket: int | None = None
         requests = self._requests
-        while requests:
-            request = requests.popleft()
-            if request.forks == _FORKS[0]:  # a write queued before a fork is the parent's to make
-                batch.append(request)
         try:
+            while requests:
+                request = requests.popleft()
+                if request.forks == _FORKS[0]:  # a write queued before a fork is the parent's to make
+                    batch.append(request)
+            if not own.done and own not in batch:  # handed back and taken again: made here, never lost
+                batch.append(own)
             if len(batch) > 1:
                 try:
-                    results = self._transaction(conn, _NORMAL, lambda c: [_step_of(r, c) for r in batch],
-                                                min(r.deadline for r in batch))
+                    self._transaction(conn, _NORMAL, lambda c: [_step_of(self, r, c) for r in batch],
+                                      min(r.deadline for r in batch))
                 except _StepFailed:
                     pass  # one of them failed, and all were undone: each is made again alone, to fail alone
                 except StoreBusy as e:
@@ -535,34 +563,42 @@ class SQLiteJournal(LogReads):
                         request.error, request.done = e, True
                     return
                 else:
-                    self._written += 1
-                    ticket = self._written
-                    for request, result in zip(batch, results, strict=True):
-                        request.result, request.ticket, request.done = result, ticket, True
+                    self._told(batch)
                     return
             for request in batch:
                 try:
-                    request.result = self._transaction(conn, _NORMAL, request.step, request.deadline)
-                    self._written += 1
+                    self._transaction(conn, _NORMAL, functools.partial(request.run, self), request.deadline)
                 except Exception as e:
-                    request.error = e
-                request.ticket, request.done = self._written, True
+                    request.error, request.ticket, request.done = e, self._written, True
+                else:
+                    self._told((request,))
         except BaseException as e:
-            if results is not None:  # committed, and interrupted before every write was told so
-                if ticket is None:
-                    self._written += 1
-                    ticket = self._written
-                for request, result in zip(batch, results, strict=True):
-                    if not request.done:
-                        request.result, request.ticket, request.done = result, ticket, True
+            self._told(batch)  # what the last transaction committed is made, whatever came after
             interrupted = not isinstance(e, Exception)
             for request in reversed(batch):
                 if not request.done:
                     if interrupted and request is not own:
-                        self._requests.appendleft(request)  # undone with the transaction: its thread makes it
+                        requests.appendleft(request)  # undone with the transaction: its thread makes it
                     else:
                         request.error, request.done = e, True
+            if not own.done:  # not taken off the queue yet: this thread's write fails with its interrupt
+                with contextlib.suppress(ValueError):
+                    requests.remove(own)
+                own.error, own.done = e, True
             raise
+
+    def _told(self, requests: Sequence[_Request]) -> None:
+        """Count the last committed transaction once, and give its result to each of ``requests``
+        whose write it made."""
+        txn = self._committed
+        if not txn:
+            return
+        if self._counted != txn:
+            self._written += 1
+            self._counted = txn
+        for request in requests:
+            if not request.done and request.staged_in == txn:
+                request.result, request.ticket, request.done = request.staged, self._written, True
 
     def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import random
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -270,3 +272,134 @@ def test_the_first_fsync_of_a_new_wal_makes_its_name_durable_too(tmp_path: Path,
     journal.begin("c2", run_pending("c2"))  # type: ignore[arg-type]
     assert synced.count(str(tmp_path)) == 1  # once for the new WAL, not once a call
     journal.close()
+
+
+class InterruptAfterCommit:
+    """The journal's connection, with a KeyboardInterrupt raised as the next COMMIT returns: what
+    CPython does with a SIGINT that arrives while SQLite runs the COMMIT."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn, self.armed = conn, True
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        cursor = self._conn.execute(sql, *args)
+        if sql == "COMMIT" and self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return cursor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class InterruptAfterPop(collections.deque):  # type: ignore[type-arg]
+    """The journal's queue of writes, with a KeyboardInterrupt raised as a popleft() returns."""
+
+    armed = False
+
+    def popleft(self) -> Any:
+        item = super().popleft()
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return item
+
+
+def interrupted_while_making_another_threads_write(journal: SQLiteJournal) -> dict[str, Any]:
+    """Queue another thread's begin, then make it (with this thread's) and be interrupted."""
+    outcome: dict[str, Any] = {}
+
+    def other() -> None:
+        try:
+            outcome["other"] = journal.begin("other", run_pending("other")).verdict  # type: ignore[arg-type]
+        except BaseException as e:
+            outcome["other"] = e
+
+    thread = threading.Thread(target=other)
+    with journal._lock:
+        thread.start()
+        while not journal._requests:
+            time.sleep(0.001)
+        with pytest.raises(KeyboardInterrupt):
+            journal.begin("mine", run_pending("mine"))  # type: ignore[arg-type]
+    thread.join(10)
+    return outcome
+
+
+def test_a_shared_transaction_interrupted_as_its_commit_returns_is_made_once(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process")
+    journal._conn = InterruptAfterCommit(journal._conn)  # type: ignore[assignment]
+    outcome = interrupted_while_making_another_threads_write(journal)
+    assert outcome["other"] == Verdict.RUN  # told its write was made, as it was
+    assert sorted((e.call_id, e.kind) for e in journal.events()) == [("mine", "pending"), ("other", "pending")]
+
+
+def test_an_interrupt_while_taking_writes_off_the_queue_loses_none(tmp_path: Path) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db", durability="process")
+    journal._requests = InterruptAfterPop()
+    journal._requests.armed = True
+    outcome = interrupted_while_making_another_threads_write(journal)
+    assert outcome["other"] == Verdict.RUN
+    assert [(e.call_id, e.kind) for e in journal.events()] == [("other", "pending")]  # not the interrupted one
+
+
+_SIGINT_STORM = """
+import collections, os, signal, sys, threading, time
+from guard.store import Decision, EffectEvent, Verdict
+from journal import SQLiteJournal
+
+journal = SQLiteJournal(sys.argv[1], durability="process", busy_timeout=2)
+errors = collections.Counter()
+
+def decide_for(call_id):
+    def decide(record):
+        if record is None:
+            return Decision(Verdict.RUN, EffectEvent(kind="pending", call_id=call_id, tool="t", attempt=1))
+        return Decision(Verdict.REFUSE, EffectEvent(kind="refused", call_id=call_id, tool="t",
+                                                    reason={"code": "again", "message": "made twice"}))
+    return decide
+
+stop = time.monotonic() + 3
+def worker(n):
+    i = 0
+    while time.monotonic() < stop:
+        try:
+            journal.begin(f"w{n}-{i}", decide_for(f"w{n}-{i}"))
+        except BaseException as e:
+            errors[type(e).__name__] += 1
+        i += 1
+
+def pester():  # from when the main thread is in its loop until it is about to leave it
+    time.sleep(0.2)
+    while time.monotonic() < stop - 0.3:
+        time.sleep(0.0003)
+        os.kill(os.getpid(), signal.SIGINT)
+
+def watchdog():
+    time.sleep(15)
+    print("hung", flush=True)
+    os._exit(3)
+
+threading.Thread(target=watchdog, daemon=True).start()
+threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)] + [threading.Thread(target=pester)]
+for t in threads:
+    t.start()
+i = 0
+while time.monotonic() < stop:
+    try:
+        journal.begin(f"m-{i}", decide_for(f"m-{i}"))
+    except KeyboardInterrupt:
+        pass
+    i += 1
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+for t in threads:
+    t.join()
+twice = [e.call_id for e in journal.events() if e.kind == "refused" and e.call_id.startswith("w")]
+print(len(twice), dict(errors), journal._lock._is_owned(), journal.verify().ok)
+"""
+
+
+def test_a_storm_of_interrupts_never_wedges_the_journal_nor_makes_a_write_twice(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _SIGINT_STORM, str(tmp_path / "j.db")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.split() == ["0", "{}", "False", "True"], (done.stdout, done.stderr[-1500:])
