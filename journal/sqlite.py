@@ -62,6 +62,15 @@ _INHERITED: list[sqlite3.Connection] = []
 _FORKS = [0]  # how many forks this process descends from: a change means the connection was inherited
 
 
+def _signature(file: Path) -> tuple[int, int, int, bool]:
+    """What changes when a file is written: its inode, size and mtime, and whether a WAL is beside it."""
+    try:
+        st = os.stat(file)
+    except OSError:
+        return (0, 0, 0, False)
+    return (st.st_ino, st.st_size, st.st_mtime_ns, os.path.exists(f"{file}-wal"))
+
+
 def _held(lock: threading.RLock) -> int:
     """How many times the calling thread holds ``lock`` (0: not at all)."""
     count: int = cast(Any, lock)._recursion_count()
@@ -280,6 +289,7 @@ class SQLiteJournal(LogReads):
         self._arguments: tuple[str | None, str | None] = (None, None)
         self._reset_group()
         self._closed = False
+        self._archive: tuple[int, int, int, bool] | None = None  # the file as a read-only open found it
         self._txn = 0  # write transactions begun, numbered
         self._committing = 0  # the one whose COMMIT was sent
         self._committed = 0  # the last one known committed
@@ -301,7 +311,10 @@ class SQLiteJournal(LogReads):
                     f"The journal {path} has schema version {kind.version} and needs migrating to "
                     f"{schema.LATEST}; open it once for writing."
                 )
-            conn = self._connect(schema.reader_uri(file), uri=True)
+            uri = schema.reader_uri(file)
+            # Read as an archive (immutable): the file as it is now, which a writer must not change.
+            self._archive = _signature(file) if uri.endswith("immutable=1") else None
+            conn = self._connect(uri, uri=True)
             self._sync = _NORMAL
             return conn
         if not file.exists():
@@ -386,6 +399,11 @@ class SQLiteJournal(LogReads):
                 os.close(self._wal_fd)  # the child's own copy; the parent's stays open
             self._reset_group()
             self._conn = self._open()
+        elif self._archive is not None and _signature(self._file) != self._archive:
+            # Written since it was opened as an archive: read it again, the ordinary way if it can be.
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._conn = self._open()
         return self._conn
 
     def _retry(self, conn: sqlite3.Connection, step: Callable[[], T]) -> T:
@@ -412,6 +430,11 @@ class SQLiteJournal(LogReads):
         """After ``e``: raise it as a JournalError, or StoreBusy past the deadline, or wait a little
         and return True (the connection's busy timeout is then shortened to what is left)."""
         if not _busy(e):
+            if self.readonly and "malformed" in str(e) and schema.reader_uri(self._file).endswith("immutable=1"):
+                raise JournalError(
+                    f"The journal {self.path} changed while it was read as a read-only archive (nothing can "
+                    f"be locked in its directory, so a writer is not seen): read it again ({e})."
+                ) from e
             raise JournalError(f"The journal {self.path} failed: {e}.") from e
         remaining = deadline - time.monotonic()
         if remaining <= 0:

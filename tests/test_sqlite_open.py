@@ -467,3 +467,24 @@ def test_a_journal_in_a_directory_the_reader_cannot_write_is_read(tmp_path: Path
         path.chmod(0o644)
     assert done.stdout.split() == ["pending", "True", "1"], done.stderr[-1500:]
     assert listing(archive) == ["j.db"]
+
+
+def test_an_archive_read_sees_a_writer_that_comes_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read as immutable (its directory not writable by the reader), then written by its owner: the
+    # reader must not go on reading the file as it was, nor read pages a checkpoint is rewriting.
+    from journal import schema
+
+    path = tmp_path / "j.db"
+    make_journal(path)
+    real_access = os.access
+    monkeypatch.setattr(schema.os, "access",
+                        lambda p, mode: False if Path(p) == tmp_path else real_access(p, mode))
+    reader = SQLiteJournal(path, readonly=True)
+    assert reader.stats().events == 1
+    with SQLiteJournal(path, durability="process") as writer:
+        for n in range(2000):
+            writer.append(pending(f"w{n}"))
+        assert reader.stats().events == 2001
+        assert len(reader.calls(limit=None)) == 2001
+        assert reader.verify().ok
+    reader.close()
