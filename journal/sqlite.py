@@ -706,6 +706,11 @@ class SQLiteJournal(LogReads):
             if self._closed:  # closed meanwhile: close() has already let go of the descriptor it saw
                 self._wal_fd = None
                 os.close(fd)
+        except FileNotFoundError as e:
+            if not self._closed:
+                raise JournalError(f"The journal {self.path} could not be synced to disk: {e.strerror}.") from e
+            # Closed meanwhile, and the WAL removed: closing the last connection checkpointed it,
+            # which fsyncs what it held into the journal file first.
         except OSError as e:
             raise JournalError(f"The journal {self.path} could not be synced to disk: {e.strerror or e}.") from e
 

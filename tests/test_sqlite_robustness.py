@@ -403,3 +403,24 @@ def test_a_storm_of_interrupts_never_wedges_the_journal_nor_makes_a_write_twice(
     done = subprocess.run([sys.executable, "-c", _SIGINT_STORM, str(tmp_path / "j.db")], capture_output=True,
                           text=True, timeout=120)
     assert done.stdout.split() == ["0", "{}", "False", "True"], (done.stdout, done.stderr[-1500:])
+
+
+def test_a_pending_committed_just_before_close_is_durable_and_not_refused(tmp_path: Path) -> None:
+    # begin commits, the journal is closed by another thread (its checkpoint removes the WAL), then
+    # begin waits for its fsync: the checkpoint made the pending durable, so the call may go on.
+    path = tmp_path / "j.db"
+    journal = SQLiteJournal(path, durability="full")
+    from journal.sqlite import _head_and_record
+
+    journal.begin("c0", run_pending("c0"))  # type: ignore[arg-type]
+
+    def record_pending(conn: Any) -> None:  # what begin's transaction does
+        head, record = _head_and_record(conn, "c1")
+        journal._append(conn, EffectEvent(kind="pending", call_id="c1", tool="t", attempt=1), record, head)
+
+    _, ticket = journal._combined(record_pending)
+    journal.close()
+    assert not Path(f"{path}-wal").exists()
+    journal._wait_durable(ticket)  # no JournalError: the call may go on
+    with SQLiteJournal(path) as again:
+        assert [e.call_id for e in again.events()] == ["c0", "c1"]
