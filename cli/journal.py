@@ -352,7 +352,7 @@ def _journal_file(output: Path, db: str) -> str | None:
     if db.startswith(("postgresql://", "postgres://")):
         return None
     for name in (db, f"{db}-wal", f"{db}-shm", f"{db}-journal"):
-        if output.resolve() == Path(name).resolve():
+        if os.path.realpath(output) == os.path.realpath(name):  # realpath: a symlink loop is no error
             return name
         try:
             if os.path.samefile(output, name):  # a hard link, say

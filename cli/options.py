@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import re
 import sys
@@ -30,12 +32,32 @@ class Group(click.Group):
     """
 
     def invoke(self, ctx: click.Context) -> Any:
+        if sys.stdout is None:  # started with stdout closed (">&-"): writing to it fails, as a write does
+            sys.stdout = ClosedStream()
         try:
             return super().invoke(ctx)
         except JournalNotFound as e:
             raise click.ClickException(then(e, f"Name the journal with --db or {DB_ENVVAR}.")) from e
         except JournalError as e:
             raise click.ClickException(one_line(str(e) or type(e).__name__)) from e
+
+
+class ClosedStream(io.TextIOBase):
+    """What stands for a stdout the process was started without: every write fails with EBADF, so
+    it is reported as any failed write is."""
+
+    @property
+    def buffer(self) -> ClosedStream:
+        return self
+
+    def write(self, data: Any) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
 
 
 def echo(text: str = "") -> None:

@@ -307,3 +307,34 @@ def test_verify_json_of_a_bad_chain_also_prints_the_error_line(db: Path) -> None
     assert (reported["ok"], reported["first_bad_seq"], reported["problem"]) == (False, 2, problem)
     plain = invoke("journal", "verify", "--db", str(db))
     assert plain.exit_code == 1 and plain.stderr == result.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["journal", "show"], ["journal", "show", "--json"], ["journal", "show", "call-ok"], ["journal", "export"],
+    ["journal", "stats", "--json"], ["journal", "verify", "--json"],
+])
+def test_a_closed_stdout_is_one_error_line(db: Path, args: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AIRLOCK_JOURNAL"}
+    result = subprocess.run([AIRLOCK, *args, "--db", str(db)], stderr=subprocess.PIPE, env=env, timeout=60,
+                            preexec_fn=lambda: os.close(1))  # started as `airlock ... >&-`
+    assert result.returncode == 1
+    assert result.stderr.decode().endswith("could not be written: stdout is closed\n"), result.stderr.decode()
+    assert result.stderr.decode().count("\n") == 1
+
+
+def test_export_to_a_file_needs_no_stdout(db: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AIRLOCK_JOURNAL"}
+    out = tmp_path / "out.jsonl"
+    result = subprocess.run([AIRLOCK, "journal", "export", "--db", str(db), "-o", str(out)], stderr=subprocess.PIPE,
+                            env=env, timeout=60, preexec_fn=lambda: os.close(1))
+    assert result.returncode == 0, result.stderr.decode()
+    assert out.read_bytes().count(b"\n") == count_events(db)
+
+
+def test_export_to_a_file_of_a_journal_named_by_a_symlink_loop_is_the_missing_journal_error(tmp_path: Path) -> None:
+    loop = tmp_path / "loop.db"
+    loop.symlink_to(loop)
+    result = invoke("journal", "export", "--db", str(loop), "-o", str(tmp_path / "x.jsonl"))
+    assert result.exit_code == 1
+    assert last_line(result.stderr) == (
+        f"Error: There is no journal at {loop}. Name the journal with --db or AIRLOCK_JOURNAL.")
