@@ -374,17 +374,20 @@ def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, red
         try:
             with output.open("wb") as out:
                 return _write_export(j, filters, out, fmt, redact)
+        except BrokenPipeError:
+            sys.exit(1)  # the reader of a pipe went away (-o /dev/stdout | head): as for stdout, quietly
         except OSError as e:
             raise click.ClickException(f"the export could not be written to {output}: {e.strerror or e}") from e
-    directory = output.resolve().parent
+    # A symbolic link stays one: the file it names is the one replaced (/dev/stdout sent to a file, say).
+    target = Path(os.path.realpath(output))
     try:
-        fd, partial = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".partial", dir=directory)
+        fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
     except OSError as e:
         raise click.ClickException(f"cannot write to {output}: {e.strerror or e}") from e
     try:
         with os.fdopen(fd, "wb") as out:
             written = _write_export(j, filters, out, fmt, redact)
-        os.replace(partial, output)
+        os.replace(partial, target)
     except OSError as e:
         Path(partial).unlink(missing_ok=True)
         raise click.ClickException(f"the export could not be written to {output}: {e.strerror or e}") from e

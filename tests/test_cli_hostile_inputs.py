@@ -338,3 +338,25 @@ def test_export_to_a_file_of_a_journal_named_by_a_symlink_loop_is_the_missing_jo
     assert result.exit_code == 1
     assert last_line(result.stderr) == (
         f"Error: There is no journal at {loop}. Name the journal with --db or AIRLOCK_JOURNAL.")
+
+
+def test_export_to_a_symlink_writes_the_file_it_names_and_keeps_the_link(db: Path, tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    target = tmp_path / "elsewhere" / "trail.jsonl"
+    target.write_text("old\n")
+    link = tmp_path / "trail.jsonl"
+    link.symlink_to(target)
+    result = invoke("journal", "export", "--db", str(db), "-o", str(link))
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink()
+    assert target.read_bytes().count(b"\n") == count_events(db)
+
+
+def test_export_to_dev_stdout_sent_to_a_file_writes_the_file(db: Path, tmp_path: Path) -> None:
+    if not os.path.exists("/dev/stdout"):
+        pytest.skip("no /dev/stdout here")
+    out = tmp_path / "out.jsonl"
+    with out.open("wb") as file:
+        result = run_into(file.fileno(), "journal", "export", "--db", str(db), "-o", "/dev/stdout")
+    assert result.returncode == 0, result.stderr.decode()
+    assert out.read_bytes().count(b"\n") == count_events(db)
