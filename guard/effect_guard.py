@@ -38,6 +38,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 Reversibility = Literal["reversible", "costly", "irreversible"]
 _RANK = {"reversible": 0, "costly": 1, "irreversible": 2}
 _REVERSIBILITY_ATTR = "__airlock_reversibility__"
+_ABOVE_ATTR = "__airlock_reversibility_above__"  # on an @Airlock wrapper: the strictest tag put on above it
 # What @Airlock sets on its wrapper (functools.wraps copies both onto a decorator above it).
 _GUARDED_ATTR = "__airlock_tool__"
 _RETAG_ATTR = "__airlock_retag__"
@@ -72,12 +73,10 @@ def reversibility(tag: Reversibility) -> Callable[[F], F]:
     def stricter(previous: Any) -> Any:
         return tag if previous not in _RANK or _RANK[tag] > _RANK[previous] else previous
 
-    def tightens(guarded: Any) -> bool:
-        # On a decorator above @Airlock a tag may make the tool stricter, never less strict.
-        return _RANK[tag] > _RANK[reversibility_of(guarded)]
-
     def mark(fn: F) -> F:
-        tag_along(fn, _REVERSIBILITY_ATTR, stricter, tightens)
+        # Recorded on the @Airlock wrapper below as a tag from above, apart from its own: a tool
+        # has one reversibility, the strictest of all its tags, whatever order they came in.
+        tag_along(fn, _REVERSIBILITY_ATTR, stricter, below=_ABOVE_ATTR)
         return fn
 
     return mark
@@ -93,13 +92,9 @@ def wrapped_chain(fn: Callable[..., Any]) -> Iterator[Any]:
         obj = getattr(obj, "__wrapped__", None)
 
 
-def tag_along(
-    fn: Callable[..., Any], attr: str, merge: Callable[[Any], Any],
-    takes: Callable[[Any], bool] | None = None,
-) -> None:
-    """Set ``attr`` of ``fn`` to ``merge(its current value)``, and the same on each ``@Airlock``
-    wrapper along its ``__wrapped__`` chain below ``fn`` for which ``takes(wrapper)`` is true
-    (every one when ``takes`` is None).
+def tag_along(fn: Callable[..., Any], attr: str, merge: Callable[[Any], Any], below: str | None = None) -> None:
+    """Set ``attr`` of ``fn`` to ``merge(its current value)``, and the same (``below`` instead of
+    ``attr`` when given) on each ``@Airlock`` wrapper along its ``__wrapped__`` chain below ``fn``.
 
     A tag put above ``@Airlock`` with another decorator in between is on no object the guard
     reads from its own wrapper down; so it is recorded on that wrapper too, and a guard that has
@@ -112,12 +107,13 @@ def tag_along(
             if not isinstance(own, dict):
                 own = {}
             guarded = _GUARDED_ATTR in own
-            if obj is not fn and (not guarded or (takes is not None and not takes(obj))):
+            if obj is not fn and not guarded:
                 continue
-            previous = getattr(obj, attr, None)
+            name = attr if obj is fn or below is None else below
+            previous = getattr(obj, name, None)
             value = merge(previous)
             if value != previous:
-                setattr(obj, attr, value)
+                setattr(obj, name, value)
                 if guarded:
                     retag = own.get(_RETAG_ATTR)
                     if callable(retag):
@@ -125,12 +121,13 @@ def tag_along(
 
 
 def reversibility_of(fn: Callable[..., Any]) -> Reversibility:
-    """The strictest tag along the ``__wrapped__`` chain; an untagged tool is irreversible."""
+    """The strictest tag along the ``__wrapped__`` chain, with those put on decorators above a
+    guarded tool of the chain; an untagged tool is irreversible."""
     best: str | None = None
     for obj in wrapped_chain(fn):
-        tag = getattr(obj, _REVERSIBILITY_ATTR, None)
-        if tag in _RANK and (best is None or _RANK[tag] > _RANK[best]):
-            best = tag
+        for tag in (getattr(obj, _REVERSIBILITY_ATTR, None), getattr(obj, _ABOVE_ATTR, None)):
+            if tag in _RANK and (best is None or _RANK[tag] > _RANK[best]):
+                best = tag
     result: Reversibility = "irreversible" if best is None else best  # type: ignore[assignment]
     return result
 

@@ -24,7 +24,14 @@ from guard import (
     is_refusal,
     requires,
 )
-from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key, reversibility, tag_along
+from guard.effect_guard import (
+    EffectGuard,
+    InMemoryEffectStore,
+    idempotency_key,
+    reversibility,
+    reversibility_of,
+    tag_along,
+)
 
 
 def ctx(call_id: str | None = "tc-1", agent_id: str | None = "agent-1") -> AirlockContext:
@@ -550,40 +557,45 @@ def test_a_stricter_tag_above_another_decorator_keeps_the_tool_from_running_twic
     assert runs == [500]
 
 
-def test_a_less_strict_tag_above_another_decorator_does_not_let_the_tool_run_twice() -> None:
+def test_a_tag_above_another_decorator_is_the_tools_own_called_either_way() -> None:
     runs: list[int] = []
 
     @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard()))
-    def pay(cents: int) -> None:  # untagged: irreversible
+    def lookup(n: int) -> None:  # untagged until the decorator above is tagged
+        runs.append(n)
+        raise TimeoutError("response lost")
+
+    view = reversibility("reversible")(logged(lookup))
+    assert reversibility_of(lookup) == reversibility_of(view) == "reversible"
+    with ctx("l1"):
+        for call in (lookup, view):
+            with pytest.raises(TimeoutError):
+                call(1)  # reversible: run again on doubt, directly as through the decorator
+    assert runs == [1, 1]
+
+
+@pytest.mark.parametrize("order", ["above first", "own first"])
+def test_the_strictest_tag_wins_whatever_order_the_tags_came_in(order: str) -> None:
+    runs: list[int] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard()))
+    def pay(cents: int) -> None:
         runs.append(cents)
         raise TimeoutError("response lost")  # the charge may have happened
 
-    view = reversibility("reversible")(logged(pay))  # someone else's decorator around the same tool
-    with ctx("pay-1"):
+    if order == "above first":
+        view = reversibility("costly")(logged(pay))
+        reversibility("reversible")(pay)
+    else:
+        reversibility("reversible")(pay)
+        view = reversibility("costly")(logged(pay))
+    assert reversibility_of(pay) == reversibility_of(view) == "costly"
+    with ctx("p1"):
         with pytest.raises(TimeoutError):
             pay(500)
         assert pay(500)["block_reason"] == "effect_status_unknown"
         assert view(500)["block_reason"] == "effect_status_unknown"
-    with ctx("pay-2"):
-        with pytest.raises(TimeoutError):
-            view(700)
-        assert view(700)["block_reason"] == "effect_status_unknown"
-    assert runs == [500, 700]
-
-
-def test_a_costly_tag_above_another_decorator_leaves_an_untagged_tool_irreversible() -> None:
-    runs: list[str | None] = []
-
-    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(target_args=("account",))))
-    def refund(account: str | None = None) -> None:
-        runs.append(account)
-
-    view = reversibility("costly")(logged(refund))
-    with ctx("r1"):
-        assert refund()["block_reason"] == "target_args_required"
-    with ctx("r2"):
-        assert view()["block_reason"] == "target_args_required"
-    assert runs == []
+    assert runs == [500]
 
 
 def test_requires_above_another_decorator_is_asked_for() -> None:
