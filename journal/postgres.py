@@ -472,8 +472,8 @@ class PostgresJournal(LogReads):
                   "meta table; it was left unchanged")
         try:
             row = conn.execute("SELECT application, schema_version FROM airlock_journal_meta WHERE id = 1").fetchone()
-        except psycopg.Error as e:  # other columns: another application's table of that name
-            raise NotAJournal(unlike) from e
+        except (pg_errors.UndefinedColumn, pg_errors.DatatypeMismatch, pg_errors.UndefinedFunction) as e:
+            raise NotAJournal(unlike) from e  # other columns: another application's table of that name
         if row is None or row[0] != pg_schema.APPLICATION:
             raise NotAJournal(f"{self.name} is not an airlock journal: its meta table names "
                               f"{row[0] if row else 'no application'!r}; it was left unchanged")

@@ -14,7 +14,7 @@ import pytest
 from guard import Airlock, AirlockContext, SecurityPolicy
 from guard.effect_guard import EffectGuard
 from guard.store import Decision, EffectEvent, Verdict
-from journal import JournalError
+from journal import JournalError, NotAJournal
 from journal.postgres import PostgresJournal
 from tests.pgserver import PgServer, fresh_database
 
@@ -125,3 +125,12 @@ def test_the_auditor_only_reads(deployed: str) -> None:
 def begin_pending(journal: PostgresJournal, call_id: str) -> None:
     event = EffectEvent(kind="pending", call_id=call_id, tool="charge", attempt=1)
     journal.begin(call_id, lambda r: Decision(Verdict.RUN, event, r))
+
+
+def test_a_login_that_may_not_read_the_meta_table_is_told_so_not_that_it_is_no_journal(deployed: str) -> None:
+    with psycopg.connect(deployed, autocommit=True) as conn:
+        conn.execute(b"REVOKE SELECT ON airlock.airlock_journal_meta FROM airlock_auditor")
+    with pytest.raises(JournalError) as raised:
+        PostgresJournal(as_role(deployed, "airlock_auditor"), readonly=True)
+    assert not isinstance(raised.value, NotAJournal)
+    assert "permission denied for table airlock_journal_meta" in str(raised.value)
