@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar
@@ -45,6 +46,8 @@ _RETAG_ATTR = "__airlock_retag__"
 # Held while a tag is merged in and while a guard reads its tags into its cache, so that a tag is
 # never lost between the two; a call whose tags are cached never takes it.
 TAGS_LOCK = threading.RLock()
+if hasattr(os, "register_at_fork"):  # a child must not wait for a thread of its parent that it lacks
+    os.register_at_fork(after_in_child=TAGS_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
 # An enum member costs a class attribute lookup each time on Python 3.11; the hot path keeps them.
 _RUN, _REPLAY, _REFUSE = Verdict.RUN, Verdict.REPLAY, Verdict.REFUSE
 

@@ -700,3 +700,40 @@ def test_two_tags_put_on_at_once_both_hold() -> None:
 def test_effect_guard_default_store_is_fresh_per_guard() -> None:
     a, b = EffectGuard(), EffectGuard()
     assert isinstance(a.store, InMemoryEffectStore) and a.store is not b.store
+
+
+def test_a_fork_while_another_thread_puts_a_tag_on_gives_a_child_that_can_tag_and_call() -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    class SlowToUnwrap:  # a decorator object whose __wrapped__ takes a while to look up
+        __name__ = "slow"
+
+        def __call__(self) -> int:
+            return 1
+
+        @property
+        def __wrapped__(self) -> None:
+            time.sleep(1.0)
+            return None
+
+    tagging = threading.Thread(target=lambda: reversibility("reversible")(SlowToUnwrap()))
+    tagging.start()
+    time.sleep(0.2)  # the tag is being put on, its lock held
+    pid = os.fork()
+    if pid == 0:  # the child: tag a tool and call it, or be killed by the alarm
+        signal.alarm(5)
+        try:
+            @reversibility("reversible")
+            @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard()))
+            def ping() -> int:
+                return 1
+
+            os._exit(0 if ping() == 1 else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    tagging.join()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
