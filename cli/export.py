@@ -26,16 +26,16 @@ def write_events(
         batches = journal.export_lines(redact=redact, **filters)
     written = 0
     for chunk, count in batches:
-        _write_all(out, chunk)
+        write_all(out, chunk)
         written += count
         if advance is not None and count:
             advance(count)
     return written
 
 
-def _write_all(out: BinaryIO, chunk: bytes) -> None:
-    """Write all of ``chunk``: a write to stdout may come back short, at a file size limit say,
-    and the retry then raises the error that a truncated export must not hide."""
+def write_all(out: BinaryIO, chunk: bytes) -> None:
+    """Write all of ``chunk``: a write to stdout may come back short (a pipe whose reader left, a
+    full disk), and the retry then raises the error that a cut output must not hide."""
     view = memoryview(chunk)
     while view:
         written = out.write(view)

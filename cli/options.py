@@ -19,6 +19,8 @@ from guard.store import parse_at
 from journal.errors import JournalError, JournalNotFound
 from journal.open import without_secrets
 
+from .export import write_all
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_DB = "airlock-journal.db"
@@ -63,18 +65,26 @@ class ClosedStream(io.TextIOBase):
 def echo(text: str = "") -> None:
     """``text`` and a line feed on stdout (as click.echo); a failed write ends the command, see
     :func:`output_failed`."""
-    try:
-        click.echo(text)
-    except OSError as e:
-        output_failed(e)
+    stream = sys.stdout
+    binary = getattr(stream, "buffer", None)
+    if binary is None or stream.isatty():
+        try:
+            click.echo(text)
+        except OSError as e:
+            output_failed(e)
+        return
+    # Past the text layer, which drops what a short write of a large text leaves over (a table
+    # cut short at a full disk or a closed pipe would then end as if whole).
+    echo_bytes((text + "\n").encode(stream.encoding or "utf-8", stream.errors or "strict"))
 
 
 def echo_bytes(*chunks: bytes) -> None:
     """``chunks`` written to stdout as they are, then flushed; a failed write ends the command."""
-    out = sys.stdout.buffer
     try:
+        sys.stdout.flush()
+        out = sys.stdout.buffer
         for chunk in chunks:
-            out.write(chunk)
+            write_all(out, chunk)
         out.flush()
     except OSError as e:
         output_failed(e)

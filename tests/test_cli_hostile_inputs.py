@@ -360,3 +360,24 @@ def test_export_to_dev_stdout_sent_to_a_file_writes_the_file(db: Path, tmp_path:
         result = run_into(file.fileno(), "journal", "export", "--db", str(db), "-o", "/dev/stdout")
     assert result.returncode == 0, result.stderr.decode()
     assert out.read_bytes().count(b"\n") == count_events(db)
+
+
+def test_a_table_cut_short_by_its_reader_is_not_reported_as_whole(tmp_path: Path) -> None:
+    # The table is written in one piece, larger than a pipe holds: the reader leaves after a few
+    # bytes, and the write comes back short. That must end as a failed write (exit 1), not exit 0.
+    from guard.store import EffectEvent
+    from journal import SQLiteJournal
+
+    path = tmp_path / "many.db"
+    with SQLiteJournal(path, durability="process") as journal:
+        for n in range(3000):
+            journal.append(EffectEvent("pending", f"call-{n:05d}", "charge", attempt=1))
+    env = {k: v for k, v in os.environ.items() if k != "AIRLOCK_JOURNAL"}
+    child = subprocess.Popen([AIRLOCK, "journal", "show", "--limit", "5000", "--db", str(path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert child.stdout is not None and child.stderr is not None
+    assert len(child.stdout.read(10)) == 10
+    child.stdout.close()
+    errors = child.stderr.read()
+    assert child.wait(60) == 1
+    assert errors == b""  # a reader that left is no error to report, as documented
