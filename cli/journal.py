@@ -351,7 +351,8 @@ def _journal_file(output: Path, db: str) -> str | None:
     """Which of the SQLite journal ``db`` and the files SQLite keeps beside it ``output`` is, or None."""
     if db.startswith(("postgresql://", "postgres://")):
         return None
-    for name in (db, f"{db}-wal", f"{db}-shm", f"{db}-journal"):
+    real = os.path.realpath(db)  # SQLite keeps its side files beside the file a link names
+    for name in (db, f"{db}-wal", f"{db}-shm", f"{db}-journal", f"{real}-wal", f"{real}-shm", f"{real}-journal"):
         if os.path.realpath(output) == os.path.realpath(name):  # realpath: a symlink loop is no error
             return name
         try:

@@ -33,8 +33,20 @@ class Group(click.Group):
     This is the one place where the journal's errors become the CLI's.
     """
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def main(self, *args: Any, **kwargs: Any) -> Any:
         if sys.stdout is None:  # started with stdout closed (">&-"): writing to it fails, as a write does
+            sys.stdout = ClosedStream()
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as e:  # --help or --version, which click writes itself, could not be written
+            try:
+                output_failed(e)
+            except click.ClickException as failed:
+                failed.show()
+                sys.exit(failed.exit_code)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        if sys.stdout is None:
             sys.stdout = ClosedStream()
         try:
             return super().invoke(ctx)

@@ -381,3 +381,29 @@ def test_a_table_cut_short_by_its_reader_is_not_reported_as_whole(tmp_path: Path
     errors = child.stderr.read()
     assert child.wait(60) == 1
     assert errors == b""  # a reader that left is no error to report, as documented
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["journal", "--help"], ["journal", "show", "--help"]])
+def test_help_and_version_that_cannot_be_written_are_one_error_line(args: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AIRLOCK_JOURNAL"}
+    closed = subprocess.run([AIRLOCK, *args], stderr=subprocess.PIPE, env=env, timeout=60,
+                            preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 1
+    assert closed.stderr.decode() == "Error: the output could not be written: stdout is closed\n"
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "wb") as full:
+            result = run_into(full.fileno(), *args)
+        assert result.returncode == 1
+        assert result.stderr.decode() == "Error: the output could not be written: No space left on device\n"
+
+
+def test_export_refuses_the_side_files_of_a_journal_named_through_a_link(db: Path, tmp_path: Path) -> None:
+    (tmp_path / "links").mkdir()
+    link = tmp_path / "links" / "journal.db"
+    link.symlink_to(db)
+    before = digest(db)
+    for side in ("-wal", "-shm"):
+        result = invoke("journal", "export", "--db", str(link), "-o", f"{db}{side}")
+        assert result.exit_code == 2, result.output
+        assert "a file SQLite keeps with the journal" in result.stderr
+    assert digest(db) == before
