@@ -6,9 +6,11 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, TypeVar
 
+from guard.store import CallRecord
+
 from .events import JournalEvent
 from .export import csv_header, csv_lines, jsonl_lines
-from .rows import event_from_row
+from .rows import event_from_row, operator_event
 
 __all__ = ["LogReads"]
 
@@ -34,6 +36,23 @@ class LogReads:
 
     def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:
         raise NotImplementedError
+
+    def get(self, call_id: str) -> CallRecord | None:
+        raise NotImplementedError
+
+    def _label(self) -> str:
+        """How the journal's messages name it (never with a password)."""
+        raise NotImplementedError
+
+    def check_resolve(
+        self, call_id: str, *, applied: bool, reason: str, operator: str, value: str | None = None,
+        force: bool = False,
+    ) -> None:
+        """Raise what ``resolve`` would raise for these arguments, on the call's current record,
+        and write nothing: a check that also works on a journal opened ``readonly``, so a resolve
+        that is refused changes nothing at all (not even an older journal's schema version)."""
+        operator_event(call_id, self.get(call_id), applied=applied, reason=reason, operator=operator,
+                       value=value, force=force, journal=self._label())
 
     def events(
         self,

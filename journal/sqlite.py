@@ -1086,15 +1086,8 @@ class SQLiteJournal(LogReads):
 
         return self._write(_FULL if self.durability == "full" else _NORMAL, step)
 
-    def check_resolve(
-        self, call_id: str, *, applied: bool, reason: str, operator: str, value: str | None = None,
-        force: bool = False,
-    ) -> None:
-        """Raise what :meth:`resolve` would raise for these arguments, on the call's current record,
-        and write nothing: a check that also works on a journal opened ``readonly``, so a resolve
-        that is refused changes nothing at all (not even an older journal's schema version)."""
-        operator_event(call_id, self.get(call_id), applied=applied, reason=reason, operator=operator,
-                       value=value, force=force, journal=str(self.path))
+    def _label(self) -> str:
+        return str(self.path)
 
     def resolve(
         self,
