@@ -233,25 +233,11 @@ def test_an_interrupt_of_the_thread_making_a_shared_transaction_is_its_own(tmp_p
     # Threads' writes are made together by whichever holds the connection; an interrupt of that
     # thread must not be raised in the others, whose writes their threads then make themselves.
     journal = SQLiteJournal(tmp_path / "j.db", durability="process")
-    outcome: dict[str, object] = {}
-
-    def other() -> None:
-        try:
-            outcome["other"] = journal.begin("other", run_pending("other")).verdict  # type: ignore[arg-type]
-        except BaseException as e:
-            outcome["other"] = e
 
     def interrupted(record: object) -> Decision:
         raise KeyboardInterrupt
 
-    thread = threading.Thread(target=other)
-    with journal._lock:  # the other thread's write queues behind this thread's turn
-        thread.start()
-        while not journal._requests:
-            time.sleep(0.001)
-        with pytest.raises(KeyboardInterrupt):
-            journal.begin("mine", interrupted)  # makes both writes in one transaction, and is interrupted
-    thread.join(10)
+    outcome = interrupted_while_making_another_threads_write(journal, interrupted)
     assert outcome["other"] == Verdict.RUN
     assert [(e.call_id, e.kind) for e in journal.events()] == [("other", "pending")]
     assert journal.verify().ok
@@ -305,8 +291,9 @@ class InterruptAfterPop(collections.deque):  # type: ignore[type-arg]
         return item
 
 
-def interrupted_while_making_another_threads_write(journal: SQLiteJournal) -> dict[str, Any]:
-    """Queue another thread's begin, then make it (with this thread's) and be interrupted."""
+def interrupted_while_making_another_threads_write(journal: SQLiteJournal, decide: Any = None) -> dict[str, Any]:
+    """Queue another thread's begin, then make it with this thread's (decided by ``decide``) in one
+    transaction, and be interrupted."""
     outcome: dict[str, Any] = {}
 
     def other() -> None:
@@ -321,7 +308,7 @@ def interrupted_while_making_another_threads_write(journal: SQLiteJournal) -> di
         while not journal._requests:
             time.sleep(0.001)
         with pytest.raises(KeyboardInterrupt):
-            journal.begin("mine", run_pending("mine"))  # type: ignore[arg-type]
+            journal.begin("mine", decide or run_pending("mine"))  # type: ignore[arg-type]
     thread.join(10)
     return outcome
 
