@@ -410,7 +410,8 @@ def _write_export(j: Any, filters: dict[str, Any], out: BinaryIO, fmt: str, reda
 
 
 @journal.command()
-@click.option("--export", "export_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+# A file that is not there (or is a directory) is an error, exit 1, as a journal that is not there is.
+@click.option("--export", "export_file", type=click.Path(path_type=Path),
               help="Check this exported JSON Lines file offline instead of the journal.")
 @click.option("--allow-gaps", is_flag=True, help="With --export: accept gaps in seq (a filtered export has them).")
 @json_option

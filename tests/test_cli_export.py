@@ -212,9 +212,15 @@ def test_allow_gaps_without_export_is_a_usage_error(db: Path) -> None:
     assert result.exit_code == 2 and "--allow-gaps goes with --export FILE" in result.stderr
 
 
-def test_verify_export_of_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
-    result = invoke("journal", "verify", "--export", str(tmp_path / "nope.jsonl"))
-    assert result.exit_code == 2 and "does not exist" in result.stderr
+def test_verify_export_of_a_missing_file_or_a_directory_is_an_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.jsonl"
+    result = invoke("journal", "verify", "--export", str(missing))
+    assert result.exit_code == 1
+    assert result.stderr == f"Error: cannot read {missing}: No such file or directory\n"
+    result = invoke("journal", "verify", "--export", str(tmp_path))
+    assert result.exit_code == 1
+    assert result.stderr == f"Error: cannot read {tmp_path}: Is a directory\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_progress_bar_only_when_stderr_is_a_terminal_and_the_export_goes_to_a_file(db: Path, tmp_path: Path) -> None:
