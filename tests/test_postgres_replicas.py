@@ -20,7 +20,7 @@ import pytest
 from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context, is_refusal
 from guard.effect_guard import EffectGuard
 from journal.postgres import PostgresJournal
-from tests.pgserver import PgServer
+from tests.pgserver import PgServer, _admin
 
 pytestmark = pytest.mark.postgres
 
@@ -271,6 +271,44 @@ def test_replicas_through_a_server_restart_lose_and_double_nothing(
         assert any(r == "value" and at > restarted_at for _, r, at in seen), "no call succeeded after"
         report = journal.verify()
         assert report.ok and report.events == journal.count_events()
+
+
+def test_a_pending_is_on_disk_before_its_tool_runs_a_crash_of_the_server_keeps_it(
+    pg_server: PgServer, pg_dsn: str, tmp_path: Path
+) -> None:
+    if not pg_server.managed:
+        pytest.skip("the tests do not crash an external server")
+    # A commit that does not wait for the WAL flush (every event but pending) reaches the disk when
+    # the WAL writer flushes, within wal_writer_delay: stretched to 10 s, only a pending committed
+    # synchronously is on disk when the server crashes, which it does while the tool runs. The
+    # first call of a new journal object locks the head first (the way writes go while other
+    # replicas write), the next ones are one compare-and-set statement each: both ways are crashed.
+    _admin(pg_server, "ALTER SYSTEM SET wal_writer_delay = '10s'")
+    _admin(pg_server, "SELECT pg_reload_conf()")
+    journal = PostgresJournal(pg_dsn)
+    ledger = tmp_path / "ledger"
+    charge = make_charge(journal, str(ledger))
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge_and_crash(n: int) -> int:
+        charge_ran = charge.__wrapped__("acct", n)  # the effect, counted in the ledger
+        pg_server.stop("immediate")  # no shutdown checkpoint: what is not flushed is lost
+        return int(charge_ran["charged"])
+
+    try:
+        for n in range(4):
+            with AirlockContext(metadata={"tool_call_id": f"crash-{n}"}):
+                assert charge_and_crash(n) == n  # its outcome cannot be recorded: the value all the same
+            pg_server.start()
+            record = journal.get(f"crash-{n}")
+            assert record is not None and record.status == "pending", f"crash-{n}: its pending was lost"
+        assert effects(ledger) == [f"crash-{n}" for n in range(4)]
+    finally:
+        if not pg_server.running():
+            pg_server.start()
+        _admin(pg_server, "ALTER SYSTEM RESET wal_writer_delay")
+        _admin(pg_server, "SELECT pg_reload_conf()")
+        journal.close()
 
 
 # -- a journal object inherited through fork -----------------------------------------------------
