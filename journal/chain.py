@@ -18,7 +18,7 @@ from guard.canonical import canonical_bytes
 
 from .events import REDACTABLE, JournalEvent, VerifyReport, at_text, text_sha256
 
-__all__ = ["GENESIS", "ChainCheck", "compute_hash", "event_body", "hash_of", "verify_lines"]
+__all__ = ["GENESIS", "ChainCheck", "body_bytes", "compute_hash", "event_body", "hash_of", "verify_lines"]
 
 GENESIS = "0" * 64
 
@@ -53,18 +53,22 @@ def event_body(
     }
 
 
+def body_bytes(body: Mapping[str, Any]) -> bytes:
+    """The canonical JSON of an event's body (``ValueError`` when it has none)."""
+    try:
+        # A body holds plain JSON values (stores canonicalise error, reason, owner on the way in),
+        # for which orjson with sorted keys is the canonical rule, and cheaper.
+        return orjson.dumps(body, option=_SORTED)
+    except TypeError:
+        return canonical_bytes(dict(body))
+
+
 def compute_hash(prev_hash: str, body: Mapping[str, Any]) -> str:
     """``sha256(prev_hash.encode("ascii") + canonical_json(body)).hexdigest()``.
 
     Raises ``ValueError`` when ``prev_hash`` is not ASCII or the body has no canonical JSON form.
     """
-    try:
-        # A body holds plain JSON values (stores canonicalise error, reason, owner on the way in),
-        # for which orjson with sorted keys is the canonical rule, and cheaper.
-        encoded = orjson.dumps(body, option=_SORTED)
-    except TypeError:
-        encoded = canonical_bytes(dict(body))
-    return hashlib.sha256(prev_hash.encode("ascii") + encoded).hexdigest()
+    return hashlib.sha256(prev_hash.encode("ascii") + body_bytes(body)).hexdigest()
 
 
 def hash_of(event: JournalEvent) -> str:

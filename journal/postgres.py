@@ -3,10 +3,12 @@
 Every append moves the one ``chain_head`` row in the transaction that inserts the event (with the
 next ``seq`` and its hash) and updates the call's projection row, so that row's lock orders all
 appends: ``seq`` stays gapless and the chain unbroken under any number of writers, and two
-``begin`` for one call id can never interleave. A write either locks the head first and then reads
-(two round trips, pipelined), or, right after this object's own write, is one compare-and-set of
-the head (one round trip); docs/postgres.md explains both. Only ``pending`` is committed
-synchronously.
+``begin`` for one call id can never interleave. Right after this object's own write, a write is one
+compare-and-set of the head (one round trip); while other replicas write, one call of a function
+that appends on the server under the head's lock (one round trip, the lock held only there); and
+where that function cannot be made, or to settle a compare-and-set cut off in doubt, a transaction
+that locks the head and then reads (two round trips). docs/postgres.md explains all three. Only
+``pending`` is committed synchronously.
 
 While the server cannot be reached, writes raise :class:`~journal.errors.JournalError` within
 the connect timeout (the guard refuses the call ``store_unavailable`` and runs nothing); after
@@ -15,6 +17,7 @@ it comes back the pool replaces its dead connections and the journal carries on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -45,8 +48,10 @@ from .rows import (
     event_from_row,
     event_row,
     operator_event,
+    placed,
     projection_problem,
     record_from_row,
+    split_body,
     stamp,
 )
 
@@ -124,6 +129,86 @@ _APPEND_AND_PROJECT = f"WITH event AS ({_INSERT_EVENT}), call AS ({_UPSERT_CALL}
 _RELAXED = b"SET LOCAL synchronous_commit = off"
 
 
+_CALL_FIELDS = [c for c in CALL_COLUMNS if c not in ("call_id", "last_seq")]
+_EVENT_FIELDS = [c for c in EVENT_COLUMNS if c not in ("seq", "prev_hash", "hash")]
+# Where other replicas write too (and for an object's first write), an append is one call of this
+# function: the server takes the chain head's lock, looks at the call's record and appends, the
+# event's seq and hash computed there from the canonical body the client sends cut around its seq.
+# So the lock is held for as long as the server needs, not across a round trip to the client and
+# its decision. It is a temporary function, made on each of the journal's sessions in the session's
+# own pg_temp schema (which only schema-qualified calls reach): every journal, whatever its schema
+# version, has it, and a login needs no right beyond the default one to make temporary objects.
+#
+# Its outcome is 'appended'; or 'found' when the same event (every field alike but its place in the
+# chain, the owner naming the calling process, after after_seq) is there already: a call made again
+# after its connection was cut appends once, and a first call still running on the server then
+# finds the second's event. Or 'changed', when the call's record is not the one the event was made
+# from (its last_seq is not expected_last_seq, NULL for no record; or a rebuild moved the head's
+# generation): nothing was written, and the row holds the call's current record to decide again on.
+_SAME_EVENT = " AND ".join(f"e.{c} IS NOT DISTINCT FROM e_{c}" for c in _EVENT_FIELDS if c != "call_id")
+_NO_ROW = ", ".join(f"NULL::{_TYPES.get(c, 'text')}" for c in CALL_COLUMNS)
+_APPEND_FN = f"""
+CREATE OR REPLACE FUNCTION pg_temp.airlock_append(
+    after_seq bigint, check_record boolean, expected_last_seq bigint, expected_generation bigint,
+    relaxed boolean, body_head bytea, body_tail bytea,
+    {", ".join(f"e_{c} {_TYPES.get(c, 'text')}" for c in _EVENT_FIELDS)},
+    project boolean,
+    {", ".join(f"c_{c} {_TYPES.get(c, 'text')}" for c in _CALL_FIELDS)}
+) RETURNS TABLE (outcome text, new_seq bigint, new_prev_hash text, new_hash text, head_generation bigint,
+                 {", ".join(f"r_{c} {_TYPES.get(c, 'text')}" for c in CALL_COLUMNS)})
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    h_seq bigint; h_hash text; h_gen bigint; f_seq bigint; f_prev text; f_hash text; current_last bigint;
+    n_seq bigint; n_hash text;
+BEGIN
+    SELECT h.seq, h.hash, h.generation INTO h_seq, h_hash, h_gen FROM chain_head h WHERE h.id = 1 FOR UPDATE;
+    -- Each statement from here on sees every append committed before the lock was taken.
+    IF e_call_id IS NULL THEN
+        SELECT e.seq, e.prev_hash, e.hash INTO f_seq, f_prev, f_hash FROM events e
+        WHERE e.call_id IS NULL AND e.seq > after_seq AND {_SAME_EVENT} LIMIT 1;
+    ELSE
+        SELECT e.seq, e.prev_hash, e.hash INTO f_seq, f_prev, f_hash FROM events e
+        WHERE e.call_id = e_call_id AND e.seq > after_seq AND {_SAME_EVENT} LIMIT 1;
+    END IF;
+    IF f_seq IS NOT NULL THEN
+        RETURN QUERY SELECT 'found'::text, f_seq, f_prev, f_hash, h_gen, {_NO_ROW};
+        RETURN;
+    END IF;
+    IF check_record THEN
+        SELECT c.last_seq INTO current_last FROM calls c WHERE c.call_id = e_call_id;
+        IF current_last IS DISTINCT FROM expected_last_seq
+           OR (expected_generation IS NOT NULL AND h_gen <> expected_generation) THEN
+            RETURN QUERY SELECT 'changed'::text, h_seq, NULL::text, h_hash, h_gen,
+                {", ".join(f"c.{c}" for c in CALL_COLUMNS)}
+                FROM (SELECT 1) AS one LEFT JOIN calls c ON c.call_id = e_call_id;
+            RETURN;
+        END IF;
+    END IF;
+    n_seq := h_seq + 1;
+    n_hash := encode(sha256(convert_to(h_hash, 'UTF8') || body_head || convert_to(n_seq::text, 'UTF8')
+                            || body_tail), 'hex');
+    INSERT INTO events ({", ".join(EVENT_COLUMNS)})
+        VALUES (n_seq, {", ".join(f"e_{c}" for c in _EVENT_FIELDS)}, h_hash, n_hash);
+    IF project THEN
+        INSERT INTO calls ({", ".join(CALL_COLUMNS)})
+            VALUES (e_call_id, {", ".join(f"c_{c}" for c in _CALL_FIELDS)}, n_seq)
+            ON CONFLICT (call_id) DO UPDATE SET
+            {", ".join(f"{c} = EXCLUDED.{c}" for c in CALL_COLUMNS if c != "call_id")};
+    END IF;
+    UPDATE chain_head SET seq = n_seq, hash = n_hash WHERE id = 1;
+    IF relaxed THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    RETURN QUERY SELECT 'appended'::text, n_seq, h_hash, n_hash, h_gen, {_NO_ROW};
+END
+$fn$
+"""
+_CALL_APPEND_FN = (
+    "SELECT * FROM pg_temp.airlock_append(%s::bigint, %s::boolean, %s::bigint, %s::bigint, %s::boolean, "
+    f"%s::bytea, %s::bytea, {_casts(_EVENT_FIELDS)}, %s::boolean, {_casts(_CALL_FIELDS)})"
+)
+
+
 def _describe(dsn: str) -> str:
     """``host:port/dbname`` (and the search_path option) of a DSN, never its password."""
     try:
@@ -156,6 +241,10 @@ class _ConnectionLost(JournalError):
     """The connection died during a write whose COMMIT may have reached the server."""
 
 
+class _NoServerAppend(Exception):
+    """The session has no server-side append; nothing was written: append the locked way."""
+
+
 class _InDoubt(Exception):
     """A one-statement append whose connection died before it answered, not found afterwards."""
 
@@ -172,6 +261,7 @@ class _Head:
 
 
 _Seen = tuple[_Head, CallRecord | None]  # what a compare-and-set that failed found
+
 
 
 class _Tx:
@@ -237,12 +327,24 @@ class PostgresJournal(LogReads):
                 self._connect_kwargs[key] = value
         self._recent: tuple[_Head, str | None, CallRecord | None] | None = None
         self._skip_cas = 0
+        # Whether this object's sessions have the server-side append (a login that may not make
+        # temporary objects does without it), and a seq at or before the head: every event this
+        # object appends from now on comes after it.
+        self._server_append = not readonly
+        self._floor = 0
         self._suspect = False  # a connection failed lately: probe the server before waiting on the pool
         self._closed = False
         self._lock = threading.Lock()
         conn = self._connect_direct("open the journal")
         try:
             self._open_schema(conn, create=create and not readonly)
+            self._floor = int((conn.execute("SELECT seq FROM chain_head WHERE id = 1").fetchone() or (0,))[0])
+            may_make_temporary = conn.execute(
+                "SELECT has_database_privilege(current_database(), 'TEMPORARY')").fetchone()
+            if self._server_append and may_make_temporary != (True,):
+                self._no_server_append("the login may not make temporary objects in the database")
+        except psycopg.Error as e:
+            raise self._translate(e, "open the journal") from e
         finally:
             conn.close()
         self.pool_size = pool_size
@@ -279,6 +381,16 @@ class PostgresJournal(LogReads):
             settings.append("SET default_transaction_read_only = on")
         for setting in settings:
             conn.execute(setting.encode())
+        if self._server_append:
+            try:
+                conn.execute(_APPEND_FN.encode())
+            except (pg_errors.InsufficientPrivilege, pg_errors.ReadOnlySqlTransaction) as e:
+                self._no_server_append(f"the login cannot make a temporary function ({str(e).strip()})")
+
+    def _no_server_append(self, why: str) -> None:
+        if self._server_append:
+            self._server_append = False
+            log.warning("journal %s: appends lock the chain head from the client, since %s", self.name, why)
 
     def _connect_direct(self, doing: str) -> Conn:
         try:
@@ -546,6 +658,75 @@ class PostgresJournal(LogReads):
         self._recent = (head, call_id, record)
         return stored
 
+    def _append_on_server(self, doing: str, choose: Callable[[CallRecord | None], EffectEvent],
+                          record: CallRecord | None, generation: int | None, check: bool) -> JournalEvent:
+        """Append the event ``choose`` makes from the call's record by one call of the server-side
+        append (see _APPEND_FN), starting from ``record`` (taken at ``generation``; None: no
+        record, whatever the generation). ``check``: the event must come from the call's current
+        record; when the server finds another, the event is made again from that one and sent
+        again, until the busy deadline."""
+        after = self._floor
+        known = self._recent[0] if self._recent is not None else None
+        deadline = time.monotonic() + self.busy_timeout
+        while True:
+            event = choose(record)
+            updated = apply(record, event, 0) if event.call_id is not None else None
+            project = updated is not None and updated is not record
+            texts, body_head, body_tail = split_body(event)
+            at_text, error_text, reason_text, owner_text = texts
+            calls = call_row(updated)[1:-1] if updated is not None and project else (None,) * len(_CALL_FIELDS)
+            row = self._call_server_append(doing, (
+                after, check, record.last_seq if record is not None else None,
+                generation if record is not None else None, event.kind != "pending", body_head, body_tail,
+                at_text, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
+                event.arguments, event.value, error_text, reason_text, event.actor, event.attempt, owner_text,
+                project, *calls,
+            ))
+            if row[0] != "changed":
+                break
+            if time.monotonic() > deadline:
+                raise StoreBusy(f"cannot {doing}: the record of the call {event.call_id!r} in the journal "
+                                f"{self.name} kept changing for {self.busy_timeout:g} s")
+            generation = int(row[4])
+            record = None if row[5] is None else self._decoded(record_from_row, row[5:])
+        seq, prev, digest = int(row[1]), str(row[2]), str(row[3])
+        stored, _ = placed(event, texts, seq, prev, digest)
+        if hash_of(stored) != digest:  # the server hashed other bytes than the chain's rule covers
+            raise JournalError(f"cannot {doing}: the journal {self.name} stored event {seq} with the hash "
+                               f"{digest}, which is not the chain's; run verify")
+        self._floor = max(self._floor, seq)
+        head = _Head(seq, digest, int(row[4]))
+        if row[0] == "appended" and known is not None and (seq - 1, prev) != (known.seq, known.hash):
+            self._skip_cas = _SKIP_AFTER_CONFLICT  # others write too: their appends move the head
+        self._recent = (head, event.call_id, apply(record, event, seq) if project else record)
+        return stored
+
+    def _call_server_append(self, doing: str, params: Sequence[Any]) -> tuple[Any, ...]:
+        """One call of the server-side append. A connection that dies meanwhile is replaced and the
+        same call made again, once: the server finds the event if the first call appended it, and
+        a first call still running there finds the second's."""
+        self._check_writable(doing)
+        for attempt in (1, 2):
+            conn = self._getconn(doing)
+            try:
+                row = conn.execute(_CALL_APPEND_FN, params).fetchone()
+                assert row is not None  # the function returns one row
+                return row
+            except (pg_errors.UndefinedFunction, pg_errors.InvalidSchemaName) as e:
+                # This session could not make the function (see _configure): nothing was written.
+                self._no_server_append(f"a session has no server-side append ({str(e).strip()})")
+                raise _NoServerAppend() from e
+            except psycopg.Error as e:
+                if conn.broken:
+                    self._suspect = True
+                    if attempt == 1:
+                        continue
+                    raise _ConnectionLost(str(self._translate(e, doing))) from e
+                raise self._translate(e, doing) from e
+            finally:
+                self._pool.putconn(conn)
+        raise AssertionError("unreachable")
+
     def _try_append(self, head: _Head, record: CallRecord | None, event: EffectEvent, doing: str,
                     absent: str | None = None) -> tuple[JournalEvent | None, _Seen | None]:
         """Append ``event`` after ``head`` in one round trip, if the head is still there (and the
@@ -583,8 +764,9 @@ class PostgresJournal(LogReads):
         append comes between the read and the append.
 
         Right after this object's own write, in one round trip (a compare-and-set on the head, which
-        also reads the record the decision should have been taken on, for one more try); else in
-        one transaction that locks the head row first (two round trips).
+        also reads the record the decision should have been taken on, for one more try); else by
+        the server-side append (one round trip, and one more when the call's record was not the one
+        this object knew), or in one transaction that locks the head row first (two round trips).
         """
         doing = "record the call"
         self._check_writable(doing)
@@ -617,6 +799,10 @@ class PostgresJournal(LogReads):
             decisions[:] = [decide(record)]
             return decisions[0].event
 
+        if doubt is None and self._server_append:
+            with contextlib.suppress(_NoServerAppend):
+                self._append_on_server(doing, choose, *self._known_record(call_id), check=True)
+                return decisions[0]
         if self._locked_write(doing, call_id, choose, doubt) is doubt and doubted is not None:
             return doubted  # the cut-off append had committed: that is the decision recorded
         return decisions[0]
@@ -648,7 +834,19 @@ class PostgresJournal(LogReads):
                         break
                     head, attempt_record = seen
         self._skip_cas = max(0, self._skip_cas - 1)
+        if doubt is None and self._server_append:
+            check = event.call_id is not None and event.kind not in _NO_RECORD_NEEDED
+            with contextlib.suppress(_NoServerAppend):
+                return self._append_on_server(doing, lambda record: event, *self._known_record(event.call_id), check)
         return self._locked_write(doing, event.call_id, lambda record: event, doubt)
+
+    def _known_record(self, call_id: str | None) -> tuple[CallRecord | None, int | None]:
+        """The call's record as this object last wrote it, and the head's generation then; (None,
+        None) for a call it did not write last."""
+        recent = self._recent
+        if recent is not None and recent[1] == call_id:
+            return recent[2], recent[0].generation
+        return None, None
 
     def _check_writable(self, doing: str) -> None:
         if self.readonly:

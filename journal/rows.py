@@ -16,7 +16,7 @@ import orjson
 from guard.canonical import canonical_bytes
 from guard.store import CallRecord, EffectEvent, current_owner, format_at, parse_at
 
-from .chain import compute_hash, event_body
+from .chain import body_bytes, compute_hash, event_body
 from .errors import CallNotFound, NotResolvable
 from .events import JournalEvent, text_sha256
 from .owner import owner_alive
@@ -31,7 +31,9 @@ __all__ = [
     "json_text",
     "operator_event",
     "projection_problem",
+    "placed",
     "record_from_row",
+    "split_body",
     "stamp",
     "stored_at",
 ]
@@ -118,15 +120,41 @@ def stamp(event: EffectEvent, seq: int, prev_hash: str) -> tuple[JournalEvent, t
 
     Raises ``ValueError`` when its error, reason or owner has no JSON form.
     """
+    texts, body = _texts_and_body(event, seq)
+    return placed(event, texts, seq, prev_hash, compute_hash(prev_hash, body))
+
+
+_SEQ_MARK = b',"seq":0,"tool":'  # sorted, a body's seq comes after every nested object
+
+
+def split_body(event: EffectEvent) -> tuple[tuple[str, str | None, str | None, str | None], bytes, bytes]:
+    """The texts of ``event`` (``at``, ``error``, ``reason``, ``owner``) and the canonical JSON of its
+    body cut around its ``seq``: ``head + str(seq).encode() + tail`` is the body at any ``seq``."""
+    texts, body = _texts_and_body(event, 0)
+    encoded = body_bytes(body)
+    cut = encoded.rfind(_SEQ_MARK) + len(b',"seq":')
+    return texts, encoded[:cut], encoded[cut + 1:]
+
+
+def _texts_and_body(event: EffectEvent, seq: int) -> tuple[tuple[str, str | None, str | None, str | None],
+                                                            dict[str, Any]]:
     at_text = format_at(event.at)
     error_text, reason_text, owner_text = json_text(event.error), json_text(event.reason), json_text(event.owner)
-    error, reason, owner = _loads(error_text), _loads(reason_text), _loads(owner_text)
-    digest = compute_hash(prev_hash, event_body(
+    body = event_body(
         seq=seq, at=at_text, call_id=event.call_id, kind=event.kind, tool=event.tool, agent_id=event.agent_id,
         idempotency_key=event.idempotency_key, arguments_sha256=text_sha256(event.arguments),
-        value_sha256=text_sha256(event.value), error=error, reason=reason, actor=event.actor,
-        attempt=event.attempt, owner=owner,
-    ))
+        value_sha256=text_sha256(event.value), error=_loads(error_text), reason=_loads(reason_text),
+        actor=event.actor, attempt=event.attempt, owner=_loads(owner_text),
+    )
+    return (at_text, error_text, reason_text, owner_text), body
+
+
+def placed(event: EffectEvent, texts: tuple[str, str | None, str | None, str | None], seq: int, prev_hash: str,
+           digest: str) -> tuple[JournalEvent, tuple[Any, ...]]:
+    """``event`` stored at ``seq`` after ``prev_hash`` with hash ``digest``, and its row; ``texts`` as
+    :func:`split_body` gives them."""
+    at_text, error_text, reason_text, owner_text = texts
+    error, reason, owner = _loads(error_text), _loads(reason_text), _loads(owner_text)
     stored = JournalEvent(
         seq=seq, at=parse_at(at_text), call_id=event.call_id, kind=event.kind, tool=event.tool,
         agent_id=event.agent_id, idempotency_key=event.idempotency_key, arguments=event.arguments,

@@ -33,6 +33,14 @@ def postgres_store(tmp_path: Path) -> Any:
     return PostgresJournal(fresh_schema(), pool_size=4)
 
 
+def postgres_contended_store(tmp_path: Path) -> Any:
+    # Every write made the way it is while other replicas write too: by the server-side append,
+    # from the record this object last wrote, which another object's writes may have made stale.
+    journal = postgres_store(tmp_path)
+    journal._skip_cas = 10**9
+    return journal
+
+
 def guide_store(tmp_path: Path) -> Any:
     # The example of docs/custom-store.md, taken from the page itself, so the guide stays true.
     page = (Path(__file__).resolve().parents[1] / "docs" / "custom-store.md").read_text()
@@ -47,6 +55,7 @@ STORE_FACTORIES: dict[str, StoreFactory] = {
     "memory": memory_store,
     "sqlite": sqlite_store,
     "postgres": postgres_store,
+    "postgres-contended": postgres_contended_store,
     "guide": guide_store,
 }
 

@@ -105,6 +105,18 @@ def cut_while_waiting_for_the_head(pg_dsn: str, proxy: CuttingProxy, write: Any)
     return result["value"]
 
 
+def run_unless_seen(call_id: str) -> Any:
+    """The guard's choice in short: run a call never seen, refuse one that is."""
+
+    def decide(record: Any) -> Decision:
+        if record is None:
+            return Decision(Verdict.RUN, EffectEvent("pending", call_id, "pay", attempt=1, arguments="{}"))
+        return Decision(Verdict.REFUSE, EffectEvent("refused", call_id, "pay", attempt=record.attempt,
+                                                    reason={"code": "effect_status_unknown", "message": "m"}))
+
+    return decide
+
+
 def test_an_outcome_cut_off_in_doubt_is_appended_once(proxied: Any, pg_dsn: str) -> None:
     journal, proxy = proxied
     journal.append(EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}", idempotency_key="k"))
@@ -121,14 +133,21 @@ def test_a_pending_cut_off_in_doubt_is_recorded_once(proxied: Any, pg_dsn: str) 
     journal, proxy = proxied
     journal.append(EffectEvent("refused", None, "pay", attempt=0, reason={"code": "x", "message": "m"}))
 
-    def decide(record: Any) -> Decision:
-        if record is None:
-            return Decision(Verdict.RUN, EffectEvent("pending", "c2", "pay", attempt=1, arguments="{}"))
-        return Decision(Verdict.REFUSE, EffectEvent("refused", "c2", "pay", attempt=record.attempt,
-                                                    reason={"code": "effect_status_unknown", "message": "m"}))
-
-    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("c2", decide))
+    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("c2", run_unless_seen("c2")))
     assert not isinstance(decision, Exception), decision
     assert decision.verdict == Verdict.RUN  # the pending this caller made, not a refusal by its own record
     assert events_of(pg_dsn) == [(1, "refused", None, 0), (2, "pending", "c2", 1)]
+    assert journal.verify().ok
+
+
+def test_a_first_write_cut_off_while_the_server_waits_for_the_head_is_recorded_once(proxied: Any, pg_dsn: str) -> None:
+    # A new object's first write is the server-side append; cut off, it is sent again, and
+    # whichever of the two gets the head first appends, the other finds that event.
+    journal, proxy = proxied
+
+    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("c3", run_unless_seen("c3")))
+    assert not isinstance(decision, Exception), decision
+    assert decision.verdict == Verdict.RUN
+    time.sleep(0.5)  # the first call, its client gone, has finished on the server too
+    assert events_of(pg_dsn) == [(1, "pending", "c3", 1)]
     assert journal.verify().ok

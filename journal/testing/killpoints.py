@@ -225,7 +225,8 @@ def _postgres_dies_in_transaction(store: Any, kind: str) -> Iterator[None]:
         while True:
             row = watcher.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND backend_xid IS NOT NULL "
-                "AND datname = current_database() AND query LIKE '%INSERT INTO events%'"
+                "AND datname = current_database() "
+                "AND (query LIKE '%INSERT INTO events%' OR query LIKE '%airlock_append(%')"
             ).fetchone()
             if row is not None and row[0] > 0:
                 die()

@@ -1,0 +1,178 @@
+"""PostgresJournal's server-side append: how a write goes while other replicas write too (and a
+journal object's first write). The server takes the chain head's lock, checks the call's record
+and places the event, computing its seq and hash itself."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote
+
+import psycopg
+import pytest
+
+from guard import Airlock, AirlockContext, SecurityPolicy
+from guard.effect_guard import EffectGuard
+from guard.store import Decision, EffectEvent, Verdict
+from journal.chain import hash_of
+from journal.postgres import PostgresJournal
+from tests.pgserver import PgServer, fresh_database
+
+pytestmark = pytest.mark.postgres
+
+
+def counting_server_appends(journal: PostgresJournal, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    outcomes: list[str] = []
+    call = journal._call_server_append
+
+    def counted(doing: str, params: Any) -> tuple[Any, ...]:
+        row = call(doing, params)
+        outcomes.append(row[0])
+        return row
+
+    monkeypatch.setattr(journal, "_call_server_append", counted)
+    return outcomes
+
+
+def guarded(journal: PostgresJournal) -> Any:
+    policy = SecurityPolicy(denied_tools=["wire"], effect_guard=EffectGuard(store=journal))
+
+    @Airlock(policy=policy)
+    def charge(account: str, note: str) -> dict[str, Any]:
+        if note == "fail":
+            raise ValueError("la carte a été refusée ✗ 𝄞")
+        return {"account": account, "note": note, "big": 2**62, "ratio": 0.1, "nested": {"é": [1, None]}}
+
+    @Airlock(policy=policy)
+    def wire(account: str) -> str:
+        return account
+
+    return charge, wire
+
+
+def test_replicas_writing_in_turn_through_the_server_chain_every_event_as_the_rule_says(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = PostgresJournal(pg_dsn), PostgresJournal(pg_dsn)
+    seen_a, seen_b = counting_server_appends(a, monkeypatch), counting_server_appends(b, monkeypatch)
+    for journal in (a, b):
+        # As after a compare-and-set that found the head moved by another replica: every write
+        # then goes to the server, each object's record of the last call it wrote often stale.
+        monkeypatch.setattr(journal, "_skip_cas", 10**9)
+    tools = {a: guarded(a), b: guarded(b)}
+    for n in range(12):
+        journal = (a, b)[n % 2]
+        charge, wire = tools[journal]
+        note = "fail" if n % 3 == 0 else f"nöte {n}"
+        with AirlockContext(agent_id="agént-✓", metadata={"tool_call_id": f"call-{n}"}):
+            for _ in range(2):  # a call, then its replay (or, after a failure, its retry)
+                with contextlib.suppress(ValueError):
+                    charge("acct-ü", note)
+        with AirlockContext():
+            wire("acct")  # refused without an id
+    assert len(seen_a) > 10 and len(seen_b) > 10 and set(seen_a + seen_b) <= {"appended", "changed"}
+    events = list(a.events())
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert all(e.hash == hash_of(e) for e in events)  # the server hashed exactly the canonical body
+    assert {e.kind for e in events} == {"pending", "committed", "released", "replayed", "refused"}
+    report = b.verify()
+    assert report.ok, report.problem
+    a.close()
+    b.close()
+
+
+def test_an_append_the_server_is_sent_twice_is_appended_once(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a call made again after its connection was cut sends: the same call, the same event.
+    with PostgresJournal(pg_dsn) as journal:
+        monkeypatch.setattr(journal, "_skip_cas", 10**9)  # every write made by the server
+        call = journal._call_server_append
+        replies: list[tuple[Any, ...]] = []
+
+        def twice(doing: str, params: Any) -> tuple[Any, ...]:
+            replies.append(call(doing, params))  # this reply lost with its connection, say
+            replies.append(call(doing, params))
+            return replies[-1]
+
+        monkeypatch.setattr(journal, "_call_server_append", twice)
+        journal.append_event(EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}", idempotency_key="k"))
+        refused = EffectEvent("refused", None, "pay", reason={"code": "policy_violation", "message": "m"})
+        stored = journal.append_event(refused)
+        assert [r[:2] for r in replies] == [("appended", 1), ("found", 1), ("appended", 2), ("found", 2)]
+        assert [(e.seq, e.kind) for e in journal.events()] == [(1, "pending"), (2, "refused")]
+        assert stored.seq == 2 and stored.hash == journal.head()[1]
+        # The same content sent anew (another event, even one made at the same moment) is appended.
+        journal.append_event(refused)
+        assert journal.count_events() == 3 and journal.verify().ok
+
+
+def test_a_decision_taken_on_a_record_that_changed_is_taken_again_on_the_current_one(pg_dsn: str) -> None:
+    with PostgresJournal(pg_dsn) as first, PostgresJournal(pg_dsn) as second:
+        event = EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}", idempotency_key="k")
+        first.begin("c1", lambda record: Decision(Verdict.RUN, event, record))
+        seen: list[Any] = []
+
+        def decide(record: Any) -> Decision:
+            seen.append(record and record.status)
+            if record is None:  # the second object has not seen c1: it decides as for a call never seen
+                return Decision(Verdict.RUN, EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}"))
+            return Decision(Verdict.REFUSE, EffectEvent("refused", "c1", "pay", attempt=record.attempt,
+                                                        reason={"code": "effect_status_unknown", "message": "m"}))
+
+        decision = second.begin("c1", decide)  # its first write: made by the server-side append
+        assert seen == [None, "pending"] and decision.verdict is Verdict.REFUSE
+        assert [e.kind for e in first.call_events("c1")] == ["pending", "refused"]
+
+
+@pytest.fixture
+def login_without_temporary_objects(pg_server: PgServer) -> Iterator[str]:
+    dsn = fresh_database(pg_server)
+    dbname = dsn.rsplit("/", 1)[1].split("?", 1)[0]
+    statements = [
+        "CREATE ROLE airlock_no_temp LOGIN",
+        f'REVOKE TEMPORARY ON DATABASE "{dbname}" FROM PUBLIC',
+        f'GRANT CONNECT ON DATABASE "{dbname}" TO airlock_no_temp',
+        "CREATE SCHEMA journal AUTHORIZATION airlock_no_temp",
+    ]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement.encode())
+    scheme, rest = dsn.split("://", 1)
+    where = rest.split("@", 1)[1]
+    try:
+        yield f"{scheme}://airlock_no_temp@{where}?options={quote('-csearch_path=journal')}"
+    finally:
+        with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'.encode())
+            conn.execute(b"DROP ROLE IF EXISTS airlock_no_temp")
+
+
+def test_a_login_that_may_not_make_temporary_objects_appends_the_locked_way(
+    login_without_temporary_objects: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="journal.postgres")
+    with PostgresJournal(login_without_temporary_objects) as journal:
+        charge, _wire = guarded(journal)
+        with AirlockContext(metadata={"tool_call_id": "c1"}):
+            first = charge("acct", "n")
+            assert charge("acct", "n") == first  # a replay
+        assert not journal._server_append
+        assert [e.kind for e in journal.events()] == ["pending", "committed", "replayed"]
+        assert journal.verify().ok
+    assert "the login may not make temporary objects" in caplog.text
+
+
+def test_a_session_without_the_server_side_append_falls_back_to_the_locked_way(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with PostgresJournal(pg_dsn, pool_size=1) as journal:
+        monkeypatch.setattr(journal, "_skip_cas", 10**9)
+        journal.append_event(EffectEvent("refused", None, "pay", reason={"code": "policy_violation", "message": "m"}))
+        with journal._pool.connection() as conn:  # the pool's one session loses its function
+            conn.execute(b"DROP FUNCTION pg_temp.airlock_append")
+        decision = journal.begin("c1", lambda record: Decision(
+            Verdict.RUN, EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}"), record))
+        assert decision.verdict is Verdict.RUN and not journal._server_append
+        assert [e.kind for e in journal.events()] == ["refused", "pending"]
+        assert journal.verify().ok
