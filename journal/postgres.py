@@ -369,6 +369,10 @@ class PostgresJournal(LogReads):
 
     def _configure(self, conn: Conn) -> None:
         settings = [
+            # Each statement sees every commit before it; a read after the head's lock sees the
+            # appends that lock waited for (a database whose default is REPEATABLE READ would
+            # fail those writes with serialization errors instead).
+            "SET default_transaction_isolation = 'read committed'",
             f"SET lock_timeout = {int(self.busy_timeout * 1000)}",
             # A client that stalls inside a transaction must not hold the write lock for ever.
             f"SET idle_in_transaction_session_timeout = {int(max(60.0, 2 * self.busy_timeout) * 1000)}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
@@ -13,7 +14,7 @@ from urllib.parse import quote
 import psycopg
 import pytest
 
-from guard import Airlock, AirlockContext, SecurityPolicy
+from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard
 from guard.store import Decision, EffectEvent, Verdict
 from journal.chain import hash_of
@@ -176,3 +177,28 @@ def test_a_session_without_the_server_side_append_falls_back_to_the_locked_way(
         assert decision.verdict is Verdict.RUN and not journal._server_append
         assert [e.kind for e in journal.events()] == ["refused", "pending"]
         assert journal.verify().ok
+
+
+def test_a_database_whose_default_isolation_is_repeatable_read_takes_concurrent_writes(pg_dsn: str) -> None:
+    dbname = pg_dsn.rsplit("/", 1)[1].split("?", 1)[0]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE \"{dbname}\" SET default_transaction_isolation = 'repeatable read'".encode())
+    journals = [PostgresJournal(pg_dsn) for _ in range(2)]
+    results: list[Any] = []
+
+    def replica(k: int) -> None:
+        charge, _wire = guarded(journals[k % 2])
+        for n in range(25):
+            with AirlockContext(metadata={"tool_call_id": f"r{k}-{n}"}):
+                results.append(charge("acct", f"n{n}"))
+
+    threads = [threading.Thread(target=replica, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    refusals = [r for r in results if is_refusal(r)]
+    assert len(results) == 100 and refusals == []  # none refused store_unavailable by a serialization error
+    assert journals[0].count_events() == 200 and journals[0].verify().ok
+    for journal in journals:
+        journal.close()
