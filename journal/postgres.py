@@ -23,8 +23,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import psycopg
@@ -261,6 +261,41 @@ class _Head:
 
 
 _Seen = tuple[_Head, CallRecord | None]  # what a compare-and-set that failed found
+
+# The time of the latest event this process stamped, through any PostgresJournal: the server-side
+# append tells an event of one process from another by its fields, so no two may be alike.
+_last_at: list[datetime] = []
+_AT_LOCK = threading.Lock()
+_MICROSECOND = timedelta(microseconds=1)
+_AT_WINDOW = timedelta(seconds=1)
+
+
+def _reset_at_lock() -> None:
+    global _AT_LOCK
+    _AT_LOCK = threading.Lock()  # a thread of the parent may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_at_lock)
+
+
+def _unique_at(event: EffectEvent) -> EffectEvent:
+    """``event``, with a time after that of every event this process stamped in the second before
+    it: a clock that ticks coarsely (or stands still in a test) would otherwise give two events of
+    one call the same time, and a repeated server-side append could take one for the other. A time
+    older than that is left as it is."""
+    with _AT_LOCK:
+        last = _last_at[0] if _last_at else None
+        if last is not None and last - _AT_WINDOW < event.at <= last:
+            event = replace(event, at=last + _MICROSECOND)
+        if last is None or event.at > last:
+            _last_at[:] = [event.at]
+    return event
+
+
+def _uniquely_timed(decision: Decision) -> Decision:
+    event = _unique_at(decision.event)
+    return decision if event is decision.event else replace(decision, event=event)
 
 
 
@@ -659,18 +694,20 @@ class PostgresJournal(LogReads):
 
         self._recent = None
         stored, head, record = self._write(doing, work)
-        self._recent = (head, call_id, record)
+        self._floor = max(self._floor, head.seq)
+        self._remember(head, call_id, record, True)
         return stored
 
     def _append_on_server(self, doing: str, choose: Callable[[CallRecord | None], EffectEvent],
-                          record: CallRecord | None, generation: int | None, check: bool) -> JournalEvent:
+                          known: bool, record: CallRecord | None, generation: int | None,
+                          check: bool) -> JournalEvent:
         """Append the event ``choose`` makes from the call's record by one call of the server-side
         append (see _APPEND_FN), starting from ``record`` (taken at ``generation``; None: no
-        record, whatever the generation). ``check``: the event must come from the call's current
-        record; when the server finds another, the event is made again from that one and sent
-        again, until the busy deadline."""
+        record, whatever the generation; ``known``: it is the record this object last wrote).
+        ``check``: the event must come from the call's current record; when the server finds
+        another, the event is made again from that one and sent again, until the busy deadline."""
         after = self._floor
-        known = self._recent[0] if self._recent is not None else None
+        last_head = self._recent[0] if self._recent is not None else None
         deadline = time.monotonic() + self.busy_timeout
         while True:
             event = choose(record)
@@ -700,9 +737,10 @@ class PostgresJournal(LogReads):
                                f"{digest}, which is not the chain's; run verify")
         self._floor = max(self._floor, seq)
         head = _Head(seq, digest, int(row[4]))
-        if row[0] == "appended" and known is not None and (seq - 1, prev) != (known.seq, known.hash):
+        if row[0] == "appended" and last_head is not None and (seq - 1, prev) != (last_head.seq, last_head.hash):
             self._skip_cas = _SKIP_AFTER_CONFLICT  # others write too: their appends move the head
-        self._recent = (head, event.call_id, apply(record, event, seq) if project else record)
+        self._remember(head, event.call_id, apply(record, event, seq) if project else record,
+                       known or check or project)
         return stored
 
     def _call_server_append(self, doing: str, params: Sequence[Any]) -> tuple[Any, ...]:
@@ -717,9 +755,13 @@ class PostgresJournal(LogReads):
                 assert row is not None  # the function returns one row
                 return row
             except (pg_errors.UndefinedFunction, pg_errors.InvalidSchemaName) as e:
-                # This session could not make the function (see _configure): nothing was written.
+                # This session could not make the function (see _configure): it wrote nothing.
                 self._no_server_append(f"a session has no server-side append ({str(e).strip()})")
-                raise _NoServerAppend() from e
+                if attempt == 1:
+                    raise _NoServerAppend() from e
+                # The first call, cut off, may still append: the locked way cannot tell its event.
+                raise _ConnectionLost(f"cannot {doing}: the connection to the journal {self.name} was lost "
+                                      "while the append was made, and it cannot be made again the same way") from e
             except psycopg.Error as e:
                 if conn.broken:
                     self._suspect = True
@@ -732,11 +774,12 @@ class PostgresJournal(LogReads):
         raise AssertionError("unreachable")
 
     def _try_append(self, head: _Head, record: CallRecord | None, event: EffectEvent, doing: str,
-                    absent: str | None = None) -> tuple[JournalEvent | None, _Seen | None]:
+                    absent: str | None = None, known: bool = True) -> tuple[JournalEvent | None, _Seen | None]:
         """Append ``event`` after ``head`` in one round trip, if the head is still there (and the
         call ``absent`` has no record). Returns the stored event, or None (and then nothing was
         written) with what the statement found: the head and the call's record, to try again with
-        (None when the connection was lost)."""
+        (None when the connection was lost). ``known``: ``record`` is the call's (else it was not
+        read: a refusal or a replay of a call this object did not write last)."""
         stored, row = stamp(event, head.seq + 1, head.hash)
         updated = apply(record, event, stored.seq) if event.call_id is not None else None
         project = updated is not None and updated is not record
@@ -757,11 +800,18 @@ class PostgresJournal(LogReads):
         assert result is not None  # the chain_head row is always there
         if result[0] != 1:
             seen = _Head(int(result[1]), str(result[2]), int(result[3]))
+            self._floor = max(self._floor, seen.seq)
             found = None if result[4] is None else self._decoded(record_from_row, result[4:])
             return None, (seen, found)
-        self._recent = (_Head(stored.seq, stored.hash, head.generation), event.call_id,
-                        updated if project else record)
+        self._floor = max(self._floor, stored.seq)
+        self._remember(_Head(stored.seq, stored.hash, head.generation), event.call_id,
+                       updated if project else record, known or project)
         return stored, None
+
+    def _remember(self, head: _Head, call_id: str | None, record: CallRecord | None, known: bool) -> None:
+        """This object's last write left ``head``, and the call's record ``record`` (when ``known``:
+        a record not read is never remembered as the call's, so the next begin checks for one)."""
+        self._recent = (head, call_id, record) if known else (head, None, None)
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         """Read the call's record, let ``decide`` choose, append its event, atomically: no other
@@ -783,7 +833,7 @@ class PostgresJournal(LogReads):
             if absent is not None:
                 record = None  # decided as for a call never seen; the append checks that it is not
             for _ in range(2):
-                decision = decide(record)
+                decision = _uniquely_timed(decide(record))
                 try:
                     stored, seen = self._try_append(head, record, decision.event, doing, absent=absent)
                 except _InDoubt as e:
@@ -800,7 +850,7 @@ class PostgresJournal(LogReads):
         decisions: list[Decision] = []
 
         def choose(record: CallRecord | None) -> EffectEvent:
-            decisions[:] = [decide(record)]
+            decisions[:] = [_uniquely_timed(decide(record))]
             return decisions[0].event
 
         if doubt is None and self._server_append:
@@ -819,16 +869,18 @@ class PostgresJournal(LogReads):
         """:meth:`append`, returning the event as stored (with its ``seq`` and ``hash``)."""
         doing = f"record the {event.kind} event"
         self._check_writable(doing)
+        event = _unique_at(event)
         doubt: JournalEvent | None = None
         recent = self._recent
         if recent is not None and self._skip_cas <= 0:
             # This object wrote last: if it still did, its head and the call's record are current.
             head, call_id, record = recent
             if call_id == event.call_id or event.call_id is None or event.kind in _NO_RECORD_NEEDED:
-                attempt_record = record if call_id == event.call_id else None
+                known = call_id == event.call_id
+                attempt_record = record if known else None
                 for _ in range(2):
                     try:
-                        stored, seen = self._try_append(head, attempt_record, event, doing)
+                        stored, seen = self._try_append(head, attempt_record, event, doing, known=known)
                     except _InDoubt as e:
                         doubt = e.event
                         break
@@ -836,7 +888,7 @@ class PostgresJournal(LogReads):
                         return stored
                     if seen is None:
                         break
-                    head, attempt_record = seen
+                    (head, attempt_record), known = seen, True
         self._skip_cas = max(0, self._skip_cas - 1)
         if doubt is None and self._server_append:
             check = event.call_id is not None and event.kind not in _NO_RECORD_NEEDED
@@ -844,13 +896,13 @@ class PostgresJournal(LogReads):
                 return self._append_on_server(doing, lambda record: event, *self._known_record(event.call_id), check)
         return self._locked_write(doing, event.call_id, lambda record: event, doubt)
 
-    def _known_record(self, call_id: str | None) -> tuple[CallRecord | None, int | None]:
-        """The call's record as this object last wrote it, and the head's generation then; (None,
-        None) for a call it did not write last."""
+    def _known_record(self, call_id: str | None) -> tuple[bool, CallRecord | None, int | None]:
+        """Whether this object wrote ``call_id`` last, the call's record as that write left it, and
+        the head's generation then; (False, None, None) for a call it did not write last."""
         recent = self._recent
-        if recent is not None and recent[1] == call_id:
-            return recent[2], recent[0].generation
-        return None, None
+        if recent is not None and call_id is not None and recent[1] == call_id:
+            return True, recent[2], recent[0].generation
+        return False, None, None
 
     def _check_writable(self, doing: str) -> None:
         if self.readonly:

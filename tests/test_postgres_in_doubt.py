@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from guard.store import Decision, EffectEvent, Verdict
+from journal import JournalError
 from journal.postgres import PostgresJournal
 from tests.pgserver import PgServer
 
@@ -150,4 +151,23 @@ def test_a_first_write_cut_off_while_the_server_waits_for_the_head_is_recorded_o
     assert decision.verdict == Verdict.RUN
     time.sleep(0.5)  # the first call, its client gone, has finished on the server too
     assert events_of(pg_dsn) == [(1, "pending", "c3", 1)]
+    assert journal.verify().ok
+
+
+def test_a_server_append_cut_off_is_never_made_again_the_locked_way(
+    proxied: Any, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The session the call is sent again on has no server-side append (one that could not make it):
+    # the locked way cannot tell the first call's event, so the write fails rather than doubling.
+    import journal.postgres as postgres
+
+    journal, proxy = proxied
+    monkeypatch.setattr(journal, "_skip_cas", 10**9)  # every write made on the server
+    journal.append(EffectEvent("pending", "c5", "pay", attempt=1, arguments="{}", idempotency_key="k"))
+    monkeypatch.setattr(postgres, "_APPEND_FN", "SELECT 1")  # sessions from now on go without it
+    outcome = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.append_event(
+        EffectEvent("committed", "c5", "pay", attempt=1, value='{"ok":1}')))
+    assert isinstance(outcome, JournalError), outcome
+    time.sleep(0.5)  # the first call, its client gone, has finished on the server
+    assert events_of(pg_dsn) == [(1, "pending", "c5", 1), (2, "committed", "c5", 1)]
     assert journal.verify().ok

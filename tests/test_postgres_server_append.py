@@ -8,6 +8,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -202,3 +203,57 @@ def test_a_database_whose_default_isolation_is_repeatable_read_takes_concurrent_
     assert journals[0].count_events() == 200 and journals[0].verify().ok
     for journal in journals:
         journal.close()
+
+
+def decide_as_the_guard(call_id: str, at: datetime) -> Any:
+    """The replay table's choice for ``call_id``, its event stamped ``at`` (a clock that stands still)."""
+
+    def decide(record: Any) -> Decision:
+        if record is None:
+            return Decision(Verdict.RUN, EffectEvent("pending", call_id, "pay", at=at, attempt=1, arguments="{}"))
+        if record.status == "committed":
+            return Decision(Verdict.REPLAY, EffectEvent("replayed", call_id, "pay", at=at, attempt=record.attempt),
+                            record)
+        return Decision(Verdict.REFUSE, EffectEvent("refused", call_id, "pay", at=at, attempt=record.attempt,
+                                                    reason={"code": "effect_status_unknown", "message": "m"}),
+                        record)
+
+    return decide
+
+
+def test_two_objects_of_one_process_on_a_clock_that_stands_still_never_both_run_a_call(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two events of one process alike in every field would look like one append sent twice.
+    at = datetime.now(UTC)
+    with PostgresJournal(pg_dsn) as first, PostgresJournal(pg_dsn) as second:
+        for journal in (first, second):
+            monkeypatch.setattr(journal, "_skip_cas", 10**9)
+        verdicts = [j.begin("c1", decide_as_the_guard("c1", at)).verdict for j in (first, second)]
+        assert verdicts == [Verdict.RUN, Verdict.REFUSE]
+        events = list(first.events())
+        assert [e.kind for e in events] == ["pending", "refused"]
+        assert events[0].at == at and events[1].at > at  # the later one stamped a microsecond on
+        refusal = EffectEvent("refused", None, "pay", at=at, reason={"code": "policy_violation", "message": "m"})
+        first.append_event(refusal)
+        second.append_event(refusal)  # the same refusal, made twice: two events
+        assert first.count_events() == 4 and first.verify().ok
+
+
+@pytest.mark.parametrize("first_write", ["on the server", "a compare-and-set"])
+def test_a_refusal_written_for_a_call_another_object_committed_does_not_make_it_look_unseen(
+    pg_dsn: str, first_write: str
+) -> None:
+    at = datetime.now(UTC)
+    with PostgresJournal(pg_dsn) as first:
+        first.begin("x", decide_as_the_guard("x", at))
+        first.append(EffectEvent("committed", "x", "pay", attempt=1, value='"ok"'))
+    with PostgresJournal(pg_dsn) as other:  # a new object's first write is made on the server
+        if first_write == "a compare-and-set":
+            other.begin("y", decide_as_the_guard("y", datetime.now(UTC)))  # the next one is not
+        # A gate refuses x (its record not read), then the call comes again: a replay, not a run.
+        other.append_event(EffectEvent("refused", "x", "pay", reason={"code": "rate_limited", "message": "m"}))
+        decision = other.begin("x", decide_as_the_guard("x", datetime.now(UTC)))
+        assert decision.verdict is Verdict.REPLAY
+        assert [e.kind for e in other.call_events("x")] == ["pending", "committed", "refused", "replayed"]
+        assert other.verify().ok
