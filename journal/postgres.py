@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 import psycopg
@@ -267,7 +267,6 @@ _Seen = tuple[_Head, CallRecord | None]  # what a compare-and-set that failed fo
 _last_at: list[datetime] = []
 _AT_LOCK = threading.Lock()
 _MICROSECOND = timedelta(microseconds=1)
-_AT_WINDOW = timedelta(seconds=1)
 
 
 def _reset_at_lock() -> None:
@@ -280,17 +279,15 @@ if hasattr(os, "register_at_fork"):
 
 
 def _unique_at(event: EffectEvent) -> EffectEvent:
-    """``event``, with a time after that of every event this process stamped in the second before
-    it: a clock that ticks coarsely (or stands still in a test) would otherwise give two events of
-    one call the same time, and a repeated server-side append could take one for the other. A time
-    older than that is left as it is."""
+    """``event``, its time after that of every event this process stamped before: a time that is
+    not (a clock that ticks coarsely, stands still in a test, or was set back) is moved to a
+    microsecond after the last one, so no two events of one process are alike."""
+    at = event.at.astimezone(UTC)  # as format_at reads it (a naive time is local)
     with _AT_LOCK:
-        last = _last_at[0] if _last_at else None
-        if last is not None and last - _AT_WINDOW < event.at <= last:
-            event = replace(event, at=last + _MICROSECOND)
-        if last is None or event.at > last:
-            _last_at[:] = [event.at]
-    return event
+        if _last_at and at <= _last_at[0]:
+            at = _last_at[0] + _MICROSECOND
+        _last_at[:] = [at]
+    return event if at == event.at else replace(event, at=at)
 
 
 def _uniquely_timed(decision: Decision) -> Decision:
@@ -739,8 +736,9 @@ class PostgresJournal(LogReads):
         head = _Head(seq, digest, int(row[4]))
         if row[0] == "appended" and last_head is not None and (seq - 1, prev) != (last_head.seq, last_head.hash):
             self._skip_cas = _SKIP_AFTER_CONFLICT  # others write too: their appends move the head
-        self._remember(head, event.call_id, apply(record, event, seq) if project else record,
-                       known or check or project)
+        # Unchecked (a refusal or a replay), the record is not known to be current at this head,
+        # even if it was the one this object wrote last: another replica may have changed it since.
+        self._remember(head, event.call_id, apply(record, event, seq) if project else record, check)
         return stored
 
     def _call_server_append(self, doing: str, params: Sequence[Any]) -> tuple[Any, ...]:

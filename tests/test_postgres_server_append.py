@@ -8,7 +8,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
@@ -257,3 +257,36 @@ def test_a_refusal_written_for_a_call_another_object_committed_does_not_make_it_
         assert decision.verdict is Verdict.REPLAY
         assert [e.kind for e in other.call_events("x")] == ["pending", "committed", "refused", "replayed"]
         assert other.verify().ok
+
+
+def test_refusals_made_on_the_server_never_keep_a_record_another_replica_changed(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with PostgresJournal(pg_dsn) as first, PostgresJournal(pg_dsn) as second:
+        first.begin("x", decide_as_the_guard("x", datetime.now(UTC)))
+        first.append(EffectEvent("released", "x", "pay", attempt=1, error={"type": "E", "message": "m"}))
+        monkeypatch.setattr(first, "_skip_cas", 8)  # as after a contended write: the next 8 on the server
+        second.begin("x", lambda record: Decision(
+            Verdict.RUN, EffectEvent("pending", "x", "pay", attempt=2, arguments="{}"), record))
+        for _ in range(9):  # a gate refuses x on the first object (its record not read)
+            first.append_event(EffectEvent("refused", "x", "pay", reason={"code": "rate_limited", "message": "m"}))
+        # Then the first object's compare-and-set: decided on the record it wrote, attempt 2 would run again.
+        decision = first.begin("x", decide_as_the_guard("x", datetime.now(UTC)))
+        assert decision.verdict is Verdict.REFUSE and decision.record is not None
+        assert decision.record.attempt == 2 and decision.record.status == "pending"
+        assert [e.kind for e in first.call_events("x")].count("pending") == 2  # attempts 1 and 2, once each
+
+
+def test_a_clock_set_back_and_a_naive_time_still_give_every_event_a_time_of_its_own(pg_dsn: str) -> None:
+    with PostgresJournal(pg_dsn) as first, PostgresJournal(pg_dsn) as second:
+        first.append_event(EffectEvent("refused", None, "pay", reason={"code": "policy_violation", "message": "m"}))
+        back = datetime.now(UTC) - timedelta(hours=1)  # a test's clock, frozen an hour ago
+        verdicts = [j.begin("c1", decide_as_the_guard("c1", back)).verdict for j in (first, second)]
+        assert verdicts == [Verdict.RUN, Verdict.REFUSE]
+        naive = datetime.now()  # a naive local time, as a caller might pass one
+        first.append_event(EffectEvent("refused", None, "pay", at=naive,
+                                       reason={"code": "policy_violation", "message": "m"}))
+        assert first.begin("c2", decide_as_the_guard("c2", datetime.now(UTC))).verdict is Verdict.RUN
+        times = [e.at for e in first.events()]
+        assert len(set(times)) == len(times) == 5 and times == sorted(times)
+        assert first.verify().ok

@@ -211,3 +211,32 @@ def test_after_a_kill_an_operator_settles_the_call_and_the_retry_replays_it(
     assert kinds(journal) == ["pending", "committed", "replayed"]
     assert journal.call_events(CALL_ID)[1].actor == "operator:ops"
     assert_verified(journal)
+
+
+DISARMED_CHILD = """
+import sys
+from guard.effect_guard import decide_attempt
+from journal import open_journal
+from journal.testing import KillPoints
+
+def decide(call_id):
+    return lambda record: decide_attempt(record, call_id, "pay", "k", "{}", None, False)
+
+points = KillPoints(open_journal(sys.argv[1]), at="during_pending", call_id=sys.argv[2])
+print(points.begin(sys.argv[2], decide(sys.argv[2])).verdict.value)  # a replay: the point is not reached
+print(points.begin("another-call", decide("another-call")).verdict.value)  # never the point's call
+"""
+
+
+def test_a_kill_point_not_reached_is_disarmed_for_the_calls_after_it(journal_target: Any) -> None:
+    from guard.effect_guard import decide_attempt
+    from guard.store import EffectEvent
+
+    db, journal = journal_target
+    journal.begin(CALL_ID, lambda record: decide_attempt(record, CALL_ID, "pay", "k", "{}", None, False))
+    journal.append(EffectEvent("committed", CALL_ID, "pay", attempt=1, value='"ok"'))
+    proc = subprocess.run([sys.executable, "-c", DISARMED_CHILD, db, CALL_ID], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout.split()) == (0, ["replay", "run"]), proc.stderr
+    assert [e.kind for e in journal.call_events("another-call")] == ["pending"]
+    assert_verified(journal)

@@ -220,9 +220,11 @@ def _postgres_dies_in_transaction(store: Any, kind: str) -> Iterator[None]:
     watcher = psycopg.connect(store.dsn, autocommit=True)
     watcher.execute(f"SELECT pg_advisory_lock({_PG_LOCK_KEY}, {pid})".encode())
 
+    disarmed = threading.Event()
+
     def watch() -> None:
         # Kill this process once its transaction is held on the server, the event row inserted.
-        while True:
+        while not disarmed.is_set():
             row = watcher.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND backend_xid IS NOT NULL "
                 "AND datname = current_database() "
@@ -232,8 +234,15 @@ def _postgres_dies_in_transaction(store: Any, kind: str) -> Iterator[None]:
                 die()
             time.sleep(0.005)
 
-    threading.Thread(target=watch, name="airlock-kill-point", daemon=True).start()
-    yield
+    watching = threading.Thread(target=watch, name="airlock-kill-point", daemon=True)
+    watching.start()
+    try:
+        yield
+    finally:  # not killed: the point was not reached (a replay, say), and later writes must pass
+        disarmed.set()
+        watching.join(5)
+        remove_postgres_kill_point(store.dsn)
+        watcher.close()
 
 
 def remove_postgres_kill_point(dsn: str) -> None:
