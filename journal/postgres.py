@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -269,13 +270,19 @@ _AT_LOCK = threading.Lock()
 _MICROSECOND = timedelta(microseconds=1)
 
 
-def _reset_at_lock() -> None:
+_JOURNALS: weakref.WeakSet[PostgresJournal] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    """In a forked child, locks that a thread of the parent held at the fork are held for good."""
     global _AT_LOCK
-    _AT_LOCK = threading.Lock()  # a thread of the parent may have held it at the fork
+    _AT_LOCK = threading.Lock()
+    for journal in list(_JOURNALS):
+        journal._lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_at_lock)
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _unique_at(event: EffectEvent) -> EffectEvent:
@@ -367,6 +374,7 @@ class PostgresJournal(LogReads):
         self._suspect = False  # a connection failed lately: probe the server before waiting on the pool
         self._closed = False
         self._lock = threading.Lock()
+        _JOURNALS.add(self)
         conn = self._connect_direct("open the journal")
         try:
             self._open_schema(conn, create=create and not readonly)

@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -348,6 +349,42 @@ def test_a_journal_inherited_through_fork_gets_a_pool_of_its_own(pg_dsn: str, tm
     assert sorted(effects(ledger)) == sorted(calls)
     report = journal.verify()
     assert report.ok and report.events == 2 * len(calls) + 1
+    journal.close()
+
+
+def test_a_child_forked_while_a_thread_holds_the_journals_lock_does_not_hang(pg_dsn: str, tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    journal = PostgresJournal(pg_dsn)
+    charge = make_charge(journal, str(ledger))
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with journal._lock:  # as a thread in the middle of its first use in a new process would
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the lock would stay held by a thread it does not have
+        code = 1
+        try:
+            with AirlockContext(metadata={"tool_call_id": "forked-0"}):
+                code = 0 if outcome(charge("acct", 1)) == "value" else 2
+        finally:
+            os._exit(code)
+    release.set()
+    thread.join()
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the journal's lock")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert effects(ledger) == ["forked-0"]
     journal.close()
 
 
