@@ -91,7 +91,10 @@ def _casts(columns: Sequence[str]) -> str:
 
 
 def _cas_append(project: bool, absent: bool, relaxed: bool) -> str:
-    head = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1 AND seq = %s AND generation = %s"
+    # The head as this object left it, by its seq and its hash: after a crash of the server lost the
+    # last events (those not committed synchronously), other writers can bring the head back to the
+    # same seq, with other events.
+    head = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1 AND seq = %s AND hash = %s AND generation = %s"
     if absent:
         head += " AND NOT EXISTS (SELECT 1 FROM calls WHERE call_id = %s)"
     if relaxed:
@@ -465,6 +468,13 @@ class PostgresJournal(LogReads):
                                 f"cannot be reached ({message})")
         return JournalError(f"cannot {doing} in the journal {self.name}: {message}")
 
+    def _connection_broke(self) -> None:
+        """A connection died: the server may have restarted, and lost the events committed last
+        without waiting for the flush. Probe it before waiting on the pool, and forget the head and
+        record this object last wrote: after such a loss they may name events that are gone."""
+        self._suspect = True
+        self._recent = None
+
     def _probe(self, doing: str) -> None:
         """Connect once outside the pool: raises at once while the server is down."""
         conn = self._connect_direct(doing)
@@ -509,7 +519,7 @@ class PostgresJournal(LogReads):
                 return conn.execute(sql.encode(), params).fetchall()
             except psycopg.Error as e:
                 if attempt == 1 and conn.broken:
-                    self._suspect = True
+                    self._connection_broke()
                     continue
                 raise self._translate(e, doing) from e
             finally:
@@ -540,10 +550,10 @@ class PostgresJournal(LogReads):
                 return result
             except psycopg.Error as e:
                 if retry and attempt == 1 and conn.broken and not tx.committing:
-                    self._suspect = True
+                    self._connection_broke()
                     continue
                 if conn.broken:
-                    self._suspect = True
+                    self._connection_broke()
                     raise _ConnectionLost(str(self._translate(e, doing))) from e
                 raise self._translate(e, doing) from e
             finally:
@@ -560,7 +570,7 @@ class PostgresJournal(LogReads):
             return conn.execute(sql, params).fetchone()
         except psycopg.Error as e:
             if conn.broken:
-                self._suspect = True
+                self._connection_broke()
                 raise _ConnectionLost(str(self._translate(e, doing))) from e
             raise self._translate(e, doing) from e
         finally:
@@ -770,7 +780,7 @@ class PostgresJournal(LogReads):
                                       "while the append was made, and it cannot be made again the same way") from e
             except psycopg.Error as e:
                 if conn.broken:
-                    self._suspect = True
+                    self._connection_broke()
                     if attempt == 1:
                         continue
                     raise _ConnectionLost(str(self._translate(e, doing))) from e
@@ -789,7 +799,7 @@ class PostgresJournal(LogReads):
         stored, row = stamp(event, head.seq + 1, head.hash)
         updated = apply(record, event, stored.seq) if event.call_id is not None else None
         project = updated is not None and updated is not record
-        cas: tuple[Any, ...] = (stored.seq, stored.hash, head.seq, head.generation)
+        cas: tuple[Any, ...] = (stored.seq, stored.hash, head.seq, head.hash, head.generation)
         if absent is not None:
             cas += (absent,)
         statement = _CAS_APPEND[project, absent is not None, event.kind != "pending"]
@@ -1057,7 +1067,7 @@ class PostgresJournal(LogReads):
                     return self._verify(conn)
             except psycopg.Error as e:
                 if conn.broken:
-                    self._suspect = True
+                    self._connection_broke()
                     if attempt == 1:
                         continue  # a connection that died with an earlier server: it only read
                 raise self._translate(e, doing) from e

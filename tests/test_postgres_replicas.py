@@ -7,6 +7,7 @@ payment provider's ledger would show them).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -310,6 +311,44 @@ def test_a_pending_is_on_disk_before_its_tool_runs_a_crash_of_the_server_keeps_i
         _admin(pg_server, "ALTER SYSTEM RESET wal_writer_delay")
         _admin(pg_server, "SELECT pg_reload_conf()")
         journal.close()
+
+
+def test_after_a_crash_lost_the_last_events_a_replica_never_writes_on_a_head_it_did_not_see(
+    pg_server: PgServer, pg_dsn: str
+) -> None:
+    if not pg_server.managed:
+        pytest.skip("the tests do not crash an external server")
+    import psycopg
+
+    from guard.effect_guard import decide_attempt
+    from guard.store import EffectEvent, Verdict
+
+    def decide(record: Any) -> Any:
+        return decide_attempt(record, "x", "pay", "k", "{}", None, False)
+
+    first, second = PostgresJournal(pg_dsn, pool_size=1), PostgresJournal(pg_dsn, pool_size=1)
+    assert first.begin("x", decide).verdict is Verdict.RUN  # pending: on disk before the tool runs
+    with psycopg.connect(pg_server.dsn) as conn:
+        row = conn.execute("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'").fetchone()
+    assert row is not None
+    os.kill(row[0], signal.SIGSTOP)  # the WAL writer holds off: the outcome below is not flushed
+    try:
+        first.append(EffectEvent("released", "x", "pay", attempt=1, error={"type": "ValueError", "message": "m"}))
+    finally:
+        pg_server.stop("immediate")  # the crash loses it (by design: only pending waits for the disk)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(row[0], signal.SIGCONT)
+    pg_server.start()
+    first._pool.check()  # its pool replaces the dead connection on its own: the journal never sees it die
+    assert second.begin("x", decide).verdict is Verdict.REFUSE  # still pending: the head is back at seq 2
+    # The first replica remembers the head its lost outcome left (seq 2) and its record (released):
+    # decided on those, attempt 2 would run while attempt 1 may have had its effect.
+    decision = first.begin("x", decide)
+    assert decision.verdict is Verdict.REFUSE, decision
+    assert [(e.seq, e.kind) for e in first.events()] == [(1, "pending"), (2, "refused"), (3, "refused")]
+    assert first.verify().ok
+    first.close()
+    second.close()
 
 
 # -- a journal object inherited through fork -----------------------------------------------------
