@@ -153,20 +153,24 @@ _SAME_EVENT = " AND ".join(f"e.{c} IS NOT DISTINCT FROM e_{c}" for c in _EVENT_F
 _NO_ROW = ", ".join(f"NULL::{_TYPES.get(c, 'text')}" for c in CALL_COLUMNS)
 _APPEND_FN = f"""
 CREATE OR REPLACE FUNCTION pg_temp.airlock_append(
-    after_seq bigint, check_record boolean, expected_last_seq bigint, expected_generation bigint,
-    relaxed boolean, body_head bytea, body_tail bytea,
+    after_seq bigint, check_record boolean, expected_last_seq bigint, expected_last_hash text,
+    expected_head_hash text, expected_generation bigint, relaxed boolean, body_head bytea, body_tail bytea,
     {", ".join(f"e_{c} {_TYPES.get(c, 'text')}" for c in _EVENT_FIELDS)},
     project boolean,
     {", ".join(f"c_{c} {_TYPES.get(c, 'text')}" for c in _CALL_FIELDS)}
 ) RETURNS TABLE (outcome text, new_seq bigint, new_prev_hash text, new_hash text, head_generation bigint,
-                 {", ".join(f"r_{c} {_TYPES.get(c, 'text')}" for c in CALL_COLUMNS)})
+                 {", ".join(f"r_{c} {_TYPES.get(c, 'text')}" for c in CALL_COLUMNS)}, r_last_hash text)
 LANGUAGE plpgsql AS $fn$
 DECLARE
     h_seq bigint; h_hash text; h_gen bigint; f_seq bigint; f_prev text; f_hash text; current_last bigint;
-    n_seq bigint; n_hash text;
+    current_hash text; n_seq bigint; n_hash text;
 BEGIN
     SELECT h.seq, h.hash, h.generation INTO h_seq, h_hash, h_gen FROM chain_head h WHERE h.id = 1 FOR UPDATE;
     -- Each statement from here on sees every append committed before the lock was taken.
+    IF after_seq > h_seq THEN  -- the server lost events the client saw (a crash): it must look again
+        RETURN QUERY SELECT 'behind'::text, h_seq, NULL::text, h_hash, h_gen, {_NO_ROW}, NULL::text;
+        RETURN;
+    END IF;
     IF e_call_id IS NULL THEN
         SELECT e.seq, e.prev_hash, e.hash INTO f_seq, f_prev, f_hash FROM events e
         WHERE e.call_id IS NULL AND e.seq > after_seq AND {_SAME_EVENT} LIMIT 1;
@@ -175,16 +179,24 @@ BEGIN
         WHERE e.call_id = e_call_id AND e.seq > after_seq AND {_SAME_EVENT} LIMIT 1;
     END IF;
     IF f_seq IS NOT NULL THEN
-        RETURN QUERY SELECT 'found'::text, f_seq, f_prev, f_hash, h_gen, {_NO_ROW};
+        RETURN QUERY SELECT 'found'::text, f_seq, f_prev, f_hash, h_gen, {_NO_ROW}, NULL::text;
         RETURN;
     END IF;
     IF check_record THEN
-        SELECT c.last_seq INTO current_last FROM calls c WHERE c.call_id = e_call_id;
+        -- The record is the one expected when its last event is: by seq and by hash (a crash may
+        -- have lost an event whose seq others have filled since), or, where its hash is not
+        -- known, when the whole head is the one the client left.
+        SELECT c.last_seq, e.hash INTO current_last, current_hash
+            FROM calls c LEFT JOIN events e ON e.seq = c.last_seq WHERE c.call_id = e_call_id;
         IF current_last IS DISTINCT FROM expected_last_seq
-           OR (expected_generation IS NOT NULL AND h_gen <> expected_generation) THEN
+           OR (expected_generation IS NOT NULL AND h_gen <> expected_generation)
+           OR (current_last IS NOT NULL AND CASE WHEN expected_last_hash IS NOT NULL
+                                                 THEN current_hash IS DISTINCT FROM expected_last_hash
+                                                 ELSE h_hash IS DISTINCT FROM expected_head_hash END) THEN
             RETURN QUERY SELECT 'changed'::text, h_seq, NULL::text, h_hash, h_gen,
-                {", ".join(f"c.{c}" for c in CALL_COLUMNS)}
-                FROM (SELECT 1) AS one LEFT JOIN calls c ON c.call_id = e_call_id;
+                {", ".join(f"c.{c}" for c in CALL_COLUMNS)}, le.hash
+                FROM (SELECT 1) AS one LEFT JOIN calls c ON c.call_id = e_call_id
+                LEFT JOIN events le ON le.seq = c.last_seq;
             RETURN;
         END IF;
     END IF;
@@ -203,12 +215,13 @@ BEGIN
     IF relaxed THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
-    RETURN QUERY SELECT 'appended'::text, n_seq, h_hash, n_hash, h_gen, {_NO_ROW};
+    RETURN QUERY SELECT 'appended'::text, n_seq, h_hash, n_hash, h_gen, {_NO_ROW}, NULL::text;
 END
 $fn$
 """
 _CALL_APPEND_FN = (
-    "SELECT * FROM pg_temp.airlock_append(%s::bigint, %s::boolean, %s::bigint, %s::bigint, %s::boolean, "
+    "SELECT * FROM pg_temp.airlock_append(%s::bigint, %s::boolean, %s::bigint, %s::text, %s::text, %s::bigint, "
+    "%s::boolean, "
     f"%s::bytea, %s::bytea, {_casts(_EVENT_FIELDS)}, %s::boolean, {_casts(_CALL_FIELDS)})"
 )
 
@@ -367,7 +380,9 @@ class PostgresJournal(LogReads):
         ):
             if key not in given:
                 self._connect_kwargs[key] = value
-        self._recent: tuple[_Head, str | None, CallRecord | None] | None = None
+        # The head this object's last write left, the call it wrote, that call's record then, and
+        # the hash of the record's last event where it is known.
+        self._recent: tuple[_Head, str | None, CallRecord | None, str | None] | None = None
         self._skip_cas = 0
         # Whether this object's sessions have the server-side append (a login that may not make
         # temporary objects does without it), and a seq at or before the head: every event this
@@ -710,19 +725,22 @@ class PostgresJournal(LogReads):
         self._recent = None
         stored, head, record = self._write(doing, work)
         self._floor = max(self._floor, head.seq)
-        self._remember(head, call_id, record, True)
+        projected = record is not None and record.last_seq == stored.seq
+        self._remember(head, call_id, record, True, stored.hash if projected else None)
         return stored
 
     def _append_on_server(self, doing: str, choose: Callable[[CallRecord | None], EffectEvent],
-                          known: bool, record: CallRecord | None, generation: int | None,
+                          known: bool, record: CallRecord | None, last_hash: str | None,
                           check: bool) -> JournalEvent:
         """Append the event ``choose`` makes from the call's record by one call of the server-side
-        append (see _APPEND_FN), starting from ``record`` (taken at ``generation``; None: no
-        record, whatever the generation; ``known``: it is the record this object last wrote).
+        append (see _APPEND_FN), starting from ``record`` (None: no record; ``known``: it is the
+        record this object last wrote, ``last_hash`` the hash of its last event where known).
         ``check``: the event must come from the call's current record; when the server finds
         another, the event is made again from that one and sent again, until the busy deadline."""
         after = self._floor
         last_head = self._recent[0] if self._recent is not None else None
+        head_hash = last_head.hash if last_head is not None and known else None
+        generation = last_head.generation if last_head is not None and known else None
         deadline = time.monotonic() + self.busy_timeout
         while True:
             event = choose(record)
@@ -732,19 +750,27 @@ class PostgresJournal(LogReads):
             at_text, error_text, reason_text, owner_text = texts
             calls = call_row(updated)[1:-1] if updated is not None and project else (None,) * len(_CALL_FIELDS)
             row = self._call_server_append(doing, (
-                after, check, record.last_seq if record is not None else None,
+                after, check, record.last_seq if record is not None else None, last_hash, head_hash,
                 generation if record is not None else None, event.kind != "pending", body_head, body_tail,
                 at_text, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
                 event.arguments, event.value, error_text, reason_text, event.actor, event.attempt, owner_text,
                 project, *calls,
             ))
-            if row[0] != "changed":
+            if row[0] not in ("changed", "behind"):
                 break
             if time.monotonic() > deadline:
                 raise StoreBusy(f"cannot {doing}: the record of the call {event.call_id!r} in the journal "
                                 f"{self.name} kept changing for {self.busy_timeout:g} s")
-            generation = int(row[4])
-            record = None if row[5] is None else self._decoded(record_from_row, row[5:])
+            generation, head_hash = int(row[4]), str(row[3])
+            if row[0] == "behind":
+                # The server lost events this object saw (it crashed): what the object remembers of
+                # them is gone, and so is the place after which an append sent again is looked for.
+                self._floor = after = int(row[1])
+                self._recent, last_head = None, None
+                record, last_hash = None, None
+            else:
+                record = None if row[5] is None else self._decoded(record_from_row, row[5:5 + len(CALL_COLUMNS)])
+                last_hash = row[5 + len(CALL_COLUMNS)]
         seq, prev, digest = int(row[1]), str(row[2]), str(row[3])
         stored, _ = placed(event, texts, seq, prev, digest)
         if hash_of(stored) != digest:  # the server hashed other bytes than the chain's rule covers
@@ -756,7 +782,10 @@ class PostgresJournal(LogReads):
             self._skip_cas = _SKIP_AFTER_CONFLICT  # others write too: their appends move the head
         # Unchecked (a refusal or a replay), the record is not known to be current at this head,
         # even if it was the one this object wrote last: another replica may have changed it since.
-        self._remember(head, event.call_id, apply(record, event, seq) if project else record, check)
+        if project:
+            self._remember(head, event.call_id, apply(record, event, seq), True, digest)
+        else:
+            self._remember(head, event.call_id, record, check, last_hash)
         return stored
 
     def _call_server_append(self, doing: str, params: Sequence[Any]) -> tuple[Any, ...]:
@@ -820,14 +849,21 @@ class PostgresJournal(LogReads):
             found = None if result[4] is None else self._decoded(record_from_row, result[4:])
             return None, (seen, found)
         self._floor = max(self._floor, stored.seq)
-        self._remember(_Head(stored.seq, stored.hash, head.generation), event.call_id,
-                       updated if project else record, known or project)
+        after = _Head(stored.seq, stored.hash, head.generation)
+        if project:
+            self._remember(after, event.call_id, updated, True, stored.hash)
+        else:  # the record as it was: the hash of its last event is known if this object had it
+            prior = self._recent
+            last_hash = prior[3] if prior is not None and prior[1] == event.call_id and prior[2] is record else None
+            self._remember(after, event.call_id, record, known, last_hash)
         return stored, None
 
-    def _remember(self, head: _Head, call_id: str | None, record: CallRecord | None, known: bool) -> None:
+    def _remember(self, head: _Head, call_id: str | None, record: CallRecord | None, known: bool,
+                  last_hash: str | None) -> None:
         """This object's last write left ``head``, and the call's record ``record`` (when ``known``:
-        a record not read is never remembered as the call's, so the next begin checks for one)."""
-        self._recent = (head, call_id, record) if known else (head, None, None)
+        a record not read is never remembered as the call's, so the next begin checks for one),
+        whose last event has the hash ``last_hash`` (None: not known)."""
+        self._recent = (head, call_id, record, last_hash) if known else (head, None, None, None)
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         """Read the call's record, let ``decide`` choose, append its event, atomically: no other
@@ -844,7 +880,7 @@ class PostgresJournal(LogReads):
         doubt: JournalEvent | None = None
         doubted: Decision | None = None
         if recent is not None and self._skip_cas <= 0:
-            head, known_id, record = recent
+            head, known_id, record, _ = recent
             absent: str | None = None if known_id == call_id else call_id
             if absent is not None:
                 record = None  # decided as for a call never seen; the append checks that it is not
@@ -890,7 +926,7 @@ class PostgresJournal(LogReads):
         recent = self._recent
         if recent is not None and self._skip_cas <= 0:
             # This object wrote last: if it still did, its head and the call's record are current.
-            head, call_id, record = recent
+            head, call_id, record, _ = recent
             if call_id == event.call_id or event.call_id is None or event.kind in _NO_RECORD_NEEDED:
                 known = call_id == event.call_id
                 attempt_record = record if known else None
@@ -912,12 +948,12 @@ class PostgresJournal(LogReads):
                 return self._append_on_server(doing, lambda record: event, *self._known_record(event.call_id), check)
         return self._locked_write(doing, event.call_id, lambda record: event, doubt)
 
-    def _known_record(self, call_id: str | None) -> tuple[bool, CallRecord | None, int | None]:
+    def _known_record(self, call_id: str | None) -> tuple[bool, CallRecord | None, str | None]:
         """Whether this object wrote ``call_id`` last, the call's record as that write left it, and
-        the head's generation then; (False, None, None) for a call it did not write last."""
+        the hash of that record's last event where known; (False, None, None) for another call."""
         recent = self._recent
         if recent is not None and call_id is not None and recent[1] == call_id:
-            return True, recent[2], recent[0].generation
+            return True, recent[2], recent[3]
         return False, None, None
 
     def _check_writable(self, doing: str) -> None:

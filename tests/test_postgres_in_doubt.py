@@ -36,7 +36,11 @@ class CuttingProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:  # the server is down (restarting): this client is refused, as it would be
+                client.close()
+                continue
             self.clients.append(client)
             self.servers.append(upstream)
             for a, b in ((client, upstream), (upstream, client)):
@@ -49,6 +53,8 @@ class CuttingProxy:
                 b.sendall(data)
         except OSError:
             pass
+        with contextlib.suppress(OSError):  # one side ended (the server went away, say): so does the other
+            b.shutdown(socket.SHUT_WR)
 
     def cut_clients(self) -> None:
         for client in self.clients:
@@ -170,4 +176,26 @@ def test_a_server_append_cut_off_is_never_made_again_the_locked_way(
     assert isinstance(outcome, JournalError), outcome
     time.sleep(0.5)  # the first call, its client gone, has finished on the server
     assert events_of(pg_dsn) == [(1, "pending", "c5", 1), (2, "committed", "c5", 1)]
+    assert journal.verify().ok
+
+
+def test_after_a_crash_lost_events_an_append_cut_off_on_the_server_is_still_found_once(
+    proxied: Any, pg_server: PgServer, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not pg_server.managed:
+        pytest.skip("the tests do not crash an external server")
+    from tests.test_postgres_replicas import crash_losing
+
+    journal, proxy = proxied
+    monkeypatch.setattr(journal, "_skip_cas", 10**9)  # every write made on the server
+    journal.begin("x", run_unless_seen("x"))  # seq 1, on disk
+    crash_losing(pg_server, lambda: (  # seq 2 and 3: lost, so the head goes back below what the object saw
+        journal.append(EffectEvent("released", "x", "pay", attempt=1, error={"type": "E", "message": "m"})),
+        journal.append(EffectEvent("refused", None, "pay", reason={"code": "c", "message": "m"}))))
+    assert journal.head()[0] == 1
+    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("y", run_unless_seen("y")))
+    assert not isinstance(decision, Exception), decision
+    assert decision.verdict == Verdict.RUN  # its own pending found, not taken for another's
+    time.sleep(0.5)
+    assert events_of(pg_dsn) == [(1, "pending", "x", 1), (2, "pending", "y", 1)]
     assert journal.verify().ok
