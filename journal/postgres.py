@@ -746,8 +746,8 @@ class PostgresJournal(LogReads):
             event = choose(record)
             updated = apply(record, event, 0) if event.call_id is not None else None
             project = updated is not None and updated is not record
-            texts, body_head, body_tail = split_body(event)
-            at_text, error_text, reason_text, owner_text = texts
+            prepared, body_head, body_tail = split_body(event)
+            at_text, error_text, reason_text, owner_text = prepared[0]
             calls = call_row(updated)[1:-1] if updated is not None and project else (None,) * len(_CALL_FIELDS)
             row = self._call_server_append(doing, (
                 after, check, record.last_seq if record is not None else None, last_hash, head_hash,
@@ -772,7 +772,7 @@ class PostgresJournal(LogReads):
                 record = None if row[5] is None else self._decoded(record_from_row, row[5:5 + len(CALL_COLUMNS)])
                 last_hash = row[5 + len(CALL_COLUMNS)]
         seq, prev, digest = int(row[1]), str(row[2]), str(row[3])
-        stored, _ = placed(event, texts, seq, prev, digest)
+        stored, _ = placed(event, prepared, seq, prev, digest)
         if hash_of(stored) != digest:  # the server hashed other bytes than the chain's rule covers
             raise JournalError(f"cannot {doing}: the journal {self.name} stored event {seq} with the hash "
                                f"{digest}, which is not the chain's; run verify")

@@ -121,23 +121,26 @@ def stamp(event: EffectEvent, seq: int, prev_hash: str) -> tuple[JournalEvent, t
     Raises ``ValueError`` when its error, reason or owner has no JSON form.
     """
     texts, body = _texts_and_body(event, seq)
-    return placed(event, texts, seq, prev_hash, compute_hash(prev_hash, body))
+    return placed(event, (texts, body), seq, prev_hash, compute_hash(prev_hash, body))
 
 
 _SEQ_MARK = b',"seq":0,"tool":'  # sorted, a body's seq comes after every nested object
 
 
-def split_body(event: EffectEvent) -> tuple[tuple[str, str | None, str | None, str | None], bytes, bytes]:
-    """The texts of ``event`` (``at``, ``error``, ``reason``, ``owner``) and the canonical JSON of its
-    body cut around its ``seq``: ``head + str(seq).encode() + tail`` is the body at any ``seq``."""
+_Texts = tuple[str, str | None, str | None, str | None]  # at, error, reason, owner as stored
+Prepared = tuple[_Texts, dict[str, Any]]  # an event's texts and the body its hash covers
+
+
+def split_body(event: EffectEvent) -> tuple[Prepared, bytes, bytes]:
+    """The texts and body of ``event`` (for :func:`placed`), and the canonical JSON of its body cut
+    around its ``seq``: ``head + str(seq).encode() + tail`` is the body at any ``seq``."""
     texts, body = _texts_and_body(event, 0)
     encoded = body_bytes(body)
     cut = encoded.rfind(_SEQ_MARK) + len(b',"seq":')
-    return texts, encoded[:cut], encoded[cut + 1:]
+    return (texts, body), encoded[:cut], encoded[cut + 1:]
 
 
-def _texts_and_body(event: EffectEvent, seq: int) -> tuple[tuple[str, str | None, str | None, str | None],
-                                                            dict[str, Any]]:
+def _texts_and_body(event: EffectEvent, seq: int) -> Prepared:
     at_text = format_at(event.at)
     error_text, reason_text, owner_text = json_text(event.error), json_text(event.reason), json_text(event.owner)
     body = event_body(
@@ -149,12 +152,12 @@ def _texts_and_body(event: EffectEvent, seq: int) -> tuple[tuple[str, str | None
     return (at_text, error_text, reason_text, owner_text), body
 
 
-def placed(event: EffectEvent, texts: tuple[str, str | None, str | None, str | None], seq: int, prev_hash: str,
+def placed(event: EffectEvent, prepared: Prepared, seq: int, prev_hash: str,
            digest: str) -> tuple[JournalEvent, tuple[Any, ...]]:
-    """``event`` stored at ``seq`` after ``prev_hash`` with hash ``digest``, and its row; ``texts`` as
-    :func:`split_body` gives them."""
-    at_text, error_text, reason_text, owner_text = texts
-    error, reason, owner = _loads(error_text), _loads(reason_text), _loads(owner_text)
+    """``event`` stored at ``seq`` after ``prev_hash`` with hash ``digest``, and its row; ``prepared``
+    as :func:`split_body` gives it."""
+    (at_text, error_text, reason_text, owner_text), body = prepared
+    error, reason, owner = body["error"], body["reason"], body["owner"]
     stored = JournalEvent(
         seq=seq, at=parse_at(at_text), call_id=event.call_id, kind=event.kind, tool=event.tool,
         agent_id=event.agent_id, idempotency_key=event.idempotency_key, arguments=event.arguments,
