@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import functools
 import inspect
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar, cast
@@ -31,6 +34,7 @@ __all__ = ["Airlock", "airlock_of", "error_of", "message_of"]
 
 log = logging.getLogger("guard")
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 # An enum member costs a class attribute lookup each time on Python 3.11; the hot path keeps them.
 _RUN, _REPLAY, _REFUSE = Verdict.RUN, Verdict.REPLAY, Verdict.REFUSE
 
@@ -414,6 +418,79 @@ class _Call:
             kind, self.tool.name, self.tool_call_id, self.attempt, e,
         )
 
+    def abandoned(self) -> None:
+        """The caller was cancelled while ``begin`` ran in a worker thread: the tool will not run, so an
+        attempt that ``begin`` recorded ``pending`` is recorded ``released`` (a retry may run it)."""
+        if self.verdict is _RUN:
+            self.verdict = None
+            self.outcome("released", error={
+                "type": "CancelledError", "message": "the call was cancelled before its tool ran",
+            })
+
+
+class _Handoff:
+    """Who records the release of a begin whose caller was cancelled: the worker thread, when it
+    finishes after the cancellation, or the cancelled caller, when the begin had finished first."""
+
+    __slots__ = ("cancelled", "finished", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = self.finished = False
+
+    def finish(self) -> bool:
+        """In the worker, once begin is done: False when the caller is gone (the worker releases)."""
+        with self.lock:
+            self.finished = True
+            return not self.cancelled
+
+    def cancel(self) -> bool:
+        """In the cancelled caller: True when begin had finished (the caller releases)."""
+        with self.lock:
+            self.cancelled = True
+            return self.finished
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in the event loop's default executor, so that the loop runs on while a store
+    waits for its disk, its server or another process's lock. A cancellation of the caller does not
+    stop it: a record being written is written."""
+    loop = asyncio.get_running_loop()
+    work = functools.partial(contextvars.copy_context().run, fn, *args)
+    try:
+        future = loop.run_in_executor(None, work)
+    except RuntimeError:  # the executor is shut down (the loop is closing): the loop's thread does it
+        return work()
+    return await asyncio.shield(future)
+
+
+async def _begin_in_thread(call: _Call, gate: Callable[[], Refusal | None], approved: bool) -> Refusal | None:
+    """``gate()`` and then, unless it refused or the call still needs its approver, the effect
+    guard's begin: for an ``async def`` tool on a store with ``offload_async``, in one trip off the
+    event loop.
+
+    ``gate`` is gates 1 to 5 (their refusals are journaled by the store), or the approver's
+    verdict (``approved``). A cancellation of the caller while begin runs does not leave the
+    call ``pending`` for good: whichever of the worker and the caller is last releases it."""
+    handoff = _Handoff()
+
+    def work() -> Refusal | None:
+        try:
+            refusal = gate()
+            if refusal is None and (approved or call.escalation is None):
+                refusal = call.begin()
+            return refusal
+        finally:
+            if not handoff.finish():
+                call.abandoned()
+
+    try:
+        return await _in_thread(work)
+    except asyncio.CancelledError:
+        if handoff.cancel():
+            call.abandoned()  # one write in the loop's thread, on the way out of a cancelled call
+        raise
+
 
 class Airlock:
     """Guard a tool: ``@Airlock(policy=SecurityPolicy(...), on_block="return")``.
@@ -480,17 +557,27 @@ class Airlock:
             @functools.wraps(fn)
             async def wrapper(*args: Any, **kwargs: Any) -> Any:
                 call = _Call(self, cache[0] if cache else tool(), args, kwargs)
-                refusal = call.gates()
+                off_loop = call.eg is not None and getattr(call.eg.store, "offload_async", False) is True
+                if off_loop:
+                    refusal = await _begin_in_thread(call, call.gates, approved=False)
+                else:
+                    refusal = call.gates()
                 if refusal is None and call.escalation is not None:
                     try:
                         response: Any = self.policy.approver(call.approval_request())  # type: ignore[misc]
                         if inspect.isawaitable(response):
                             response = await response
                     except Exception as e:
-                        refusal = call.approval_failed(e)
+                        refusal = await _in_thread(call.approval_failed, e) if off_loop else call.approval_failed(e)
                     else:
-                        refusal = call.check_approval(response)
-                if refusal is None:
+                        if off_loop:
+                            verdict = functools.partial(call.check_approval, response)
+                            refusal = await _begin_in_thread(call, verdict, approved=True)
+                        else:
+                            refusal = call.check_approval(response)
+                            if refusal is None:
+                                refusal = call.begin()
+                elif refusal is None and not off_loop:
                     refusal = call.begin()
                 if refusal is not None:
                     return self.blocked(refusal)
@@ -500,11 +587,17 @@ class Airlock:
                 try:
                     result = await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
                 except BaseException as e:
-                    call.raised(e)
+                    if off_loop:
+                        await _in_thread(call.raised, e)
+                    else:
+                        call.raised(e)
                     raise
                 finally:
                     leave_call(token)
-                call.returned(result)
+                if off_loop:
+                    await _in_thread(call.returned, result)
+                else:
+                    call.returned(result)
                 return result
 
         else:

@@ -244,7 +244,10 @@ def test_async_tool_is_awaited_inside_the_guard(store: Any, backend: Backend) ->
 
 
 def test_async_tool_cancelled_is_unknown(store: Any) -> None:
+    started = asyncio.Event()
+
     async def charge(account: str) -> None:
+        started.set()
         await asyncio.sleep(10)
 
     tool = guarded(store, charge)
@@ -252,7 +255,7 @@ def test_async_tool_cancelled_is_unknown(store: Any) -> None:
     async def main() -> None:
         async with AirlockContext(metadata={"tool_call_id": "cx"}):
             task = asyncio.ensure_future(tool("acct"))
-            await asyncio.sleep(0.01)
+            await asyncio.wait_for(started.wait(), 10)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
