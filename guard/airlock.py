@@ -325,7 +325,7 @@ class _Call:
         eg, call_id = self.eg, self.tool_call_id
         if eg is not None and call_id is not None:
             try:
-                decision = eg.store.begin(call_id, self.decide)
+                decision = eg.store.begin(storable(call_id), self.decide)
             except Exception as e:
                 log.error("store could not record pending for %s (tool_call_id=%s): %r", self.tool.name, call_id, e)
                 return self.refuse(
@@ -348,9 +348,11 @@ class _Call:
         """The replay table's decision for this call, given the store's record of its id."""
         assert self.tool_call_id is not None and self.key is not None and self.arguments is not None
         tool = self.tool
+        # The ids may come from the model: one with a lone surrogate is recorded as its backslash
+        # escape, which every store can keep, as a refusal's is.
         return decide_attempt(
-            record, self.tool_call_id, tool.name, self.key, self.arguments, self.agent_id, tool.reversible,
-            self.approval,
+            record, storable(self.tool_call_id), tool.name, self.key, self.arguments, storable(self.agent_id),
+            tool.reversible, self.approval,
         )
 
     def call_context(self) -> CallContext:
@@ -367,8 +369,8 @@ class _Call:
     def outcome(self, kind: str, value: str | None = None, error: dict[str, str] | None = None,
                 reason: dict[str, str] | None = None) -> None:
         self.record(EffectEvent(
-            kind, self.tool_call_id, self.tool.name, utc_now(), self.agent_id, self.key, self.arguments, value,
-            error, reason, GUARD_ACTOR, self.attempt, current_owner(),
+            kind, storable(self.tool_call_id), self.tool.name, utc_now(), storable(self.agent_id), self.key,
+            self.arguments, value, error, reason, GUARD_ACTOR, self.attempt, current_owner(),
         ))
 
     def returned(self, result: Any) -> None:

@@ -102,8 +102,8 @@ def storable(text: None) -> None: ...
 def storable(text: str | None) -> str | None:
     """``text`` as every store can keep it: a lone surrogate (an ``os.fsdecode``'d file name, say)
     has no UTF-8 form, so it is written as its backslash escape (``\\udcff``). None stays None."""
-    if text is None:
-        return None
+    if text is None or text.isascii():
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -39,3 +39,10 @@ class NotResolvable(JournalError):
 
 class StoreBusy(JournalError):
     """The journal's write lock was not obtained before the busy deadline."""
+
+
+def unstorable(journal: str, e: ValueError) -> JournalError:
+    """The error for an event with a text that has no UTF-8 form (a lone surrogate in an id, say),
+    which no journal can store; ``e`` is the encoder's error."""
+    why = f"a text in it is not valid UTF-8: {e.reason}" if isinstance(e, UnicodeEncodeError) else str(e)
+    return JournalError(f"The journal {journal} cannot store this event: {why}.")

@@ -33,11 +33,12 @@ from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
+from guard.canonical import NotCanonical
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at
 
 from . import pg_schema
 from .chain import GENESIS, ChainCheck, hash_of
-from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, StoreBusy
+from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, StoreBusy, unstorable
 from .events import JournalEvent, JournalStats, VerifyReport
 from .open import without_secrets
 from .projection import fold_into
@@ -871,7 +872,14 @@ class PostgresJournal(LogReads):
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         """Read the call's record, let ``decide`` choose, append its event, atomically: no other
-        append comes between the read and the append.
+        append comes between the read and the append (see :meth:`_begin`)."""
+        try:
+            return self._begin(call_id, decide)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(self.name, e) from e
+
+    def _begin(self, call_id: str, decide: Decide) -> Decision:
+        """:meth:`begin`.
 
         Right after this object's own write, in one round trip (a compare-and-set on the head, which
         also reads the record the decision should have been taken on, for one more try); else by
@@ -923,6 +931,12 @@ class PostgresJournal(LogReads):
 
     def append_event(self, event: EffectEvent) -> JournalEvent:
         """:meth:`append`, returning the event as stored (with its ``seq`` and ``hash``)."""
+        try:
+            return self._append_event(event)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(self.name, e) from e
+
+    def _append_event(self, event: EffectEvent) -> JournalEvent:
         doing = f"record the {event.kind} event"
         self._check_writable(doing)
         event = _unique_at(event)
@@ -966,7 +980,10 @@ class PostgresJournal(LogReads):
 
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
-        rows = self._read("read the call", f"{_CALL_SELECT} WHERE call_id = %s", (call_id,))
+        try:
+            rows = self._read("read the call", f"{_CALL_SELECT} WHERE call_id = %s", (call_id,))
+        except UnicodeEncodeError:
+            return None  # an id with no UTF-8 form (a lone surrogate) is never stored
         return self._decoded(record_from_row, rows[0]) if rows else None
 
     def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:

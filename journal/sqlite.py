@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import orjson
 
+from guard.canonical import NotCanonical
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at, parse_at
 
 from . import schema, sqlite_verify
@@ -36,6 +37,7 @@ from .errors import (
     NewerSchema,
     NotAJournal,
     StoreBusy,
+    unstorable,
 )
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
 from .export import check_redact, csv_header, csv_lines, jsonl_lines, row_hash
@@ -657,7 +659,10 @@ class SQLiteJournal(LogReads):
             self._append(conn, decision.event, record, head)
             return decision
 
-        decision, ticket = self._combined(step)
+        try:
+            decision, ticket = self._combined(step)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(str(self.path), e) from e
         if self.durability == "full" and decision.event.kind == "pending":
             self._wait_durable(ticket)
         return decision
@@ -726,14 +731,20 @@ class SQLiteJournal(LogReads):
             head, record = _head_and_record(conn, event.call_id)
             self._append(conn, event, record, head)
 
-        if event.kind == "pending" and self.durability == "full":
-            self._write(_FULL, step)
-        else:
-            self._combined(step)
+        try:
+            if event.kind == "pending" and self.durability == "full":
+                self._write(_FULL, step)
+            else:
+                self._combined(step)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(str(self.path), e) from e
 
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
-        row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
+        try:
+            row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
+        except UnicodeEncodeError:
+            return None  # an id with no UTF-8 form (a lone surrogate) is never stored
         return None if row is None else self._decoded(record_from_row, row)
 
     def _append(

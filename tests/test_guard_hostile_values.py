@@ -206,3 +206,41 @@ def test_a_deferred_result_that_cannot_be_recorded_is_logged_as_unknown(
     assert list(result) == [0, 1]
     assert "could not record unknown for pages" in caplog.text and "could not record committed" not in caplog.text
     assert store.get("g1").status == "pending"
+
+
+def test_a_call_id_and_agent_id_with_a_lone_surrogate_run_once_on_every_store(store: Any) -> None:
+    # A model's tool call id decoded from JSON that carried "\udcff" as an escape.
+    runs: list[int] = []
+
+    def charge(cents: int) -> dict[str, int]:
+        runs.append(cents)
+        return {"charged": cents}
+
+    tool = guarded(store, charge)
+    odd_id, odd_agent = "call_" + NAME[-5], "agent-" + NAME[-5]
+    for _ in range(2):
+        with AirlockContext(agent_id=odd_agent, metadata={"tool_call_id": odd_id}):
+            assert tool(5) == {"charged": 5}  # run, then replayed
+    assert runs == [5]
+    record = store.get("call_\\udcff")
+    assert (record.status, record.agent_id) == ("committed", "agent-\\udcff")
+    kinds = [(e.kind, e.call_id, e.agent_id) for e in store.events(call_id="call_\\udcff")]
+    assert kinds == [("pending", "call_\\udcff", "agent-\\udcff"), ("committed", "call_\\udcff", "agent-\\udcff"),
+                     ("replayed", "call_\\udcff", "agent-\\udcff")]
+
+
+def test_a_journal_given_an_id_with_a_lone_surrogate_raises_its_own_error(store: Any) -> None:
+    # The guard hands a journal ids every store can keep; called directly, a journal says what is wrong.
+    from guard.effect_guard import decide_attempt
+    from guard.store import EffectEvent
+    from journal import JournalError
+
+    if not hasattr(store, "verify"):
+        pytest.skip("a store that serialises nothing keeps any str")
+    odd = "c" + NAME[-5]
+    with pytest.raises(JournalError, match=r"cannot store this event: .*not valid UTF-8"):
+        store.begin(odd, lambda record: decide_attempt(record, odd, "pay", "k" * 64, "{}", None, False))
+    with pytest.raises(JournalError, match="cannot store this event"):
+        store.append(EffectEvent("refused", "c", "pay", agent_id=odd, reason={"code": "c", "message": "m"}))
+    assert store.get(odd) is None and store.head()[0] == 0
+    assert store.verify().ok

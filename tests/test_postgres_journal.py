@@ -304,7 +304,7 @@ def test_bad_options_are_refused(pg_dsn: str, options: dict[str, float]) -> None
 def test_an_event_that_cannot_be_stored_is_refused_and_changes_nothing(journal: PostgresJournal) -> None:
     run(journal, "c1")
     head = journal.head()
-    with pytest.raises(ValueError):
+    with pytest.raises(JournalError, match="cannot store this event"):
         journal.append(EffectEvent(kind="unknown", call_id="c1", tool="charge", attempt=1,
                                    error={"type": "X", "message": object()}))
     assert journal.head() == head and journal.get("c1").status == "pending"  # type: ignore[union-attr]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from guard import Airlock, AirlockContext, SecurityPolicy
+from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard
 from journal import SQLiteJournal
 from journal.testing import EffectLog
@@ -123,18 +123,20 @@ def test_postgres_refuses_a_nul_in_an_id_or_tool_name_before_running_anything(tm
         assert journal.verify().ok
 
 
-def test_an_unencodable_id_or_argument_is_refused_and_nothing_is_stored(
+def test_an_unencodable_argument_is_refused_and_an_unencodable_id_is_kept_escaped(
     airlock_journal: SQLiteJournal, airlock_effects: EffectLog
 ) -> None:
     tool = make_tool(airlock_journal, "pay", airlock_effects)
     with AirlockContext(metadata={"tool_call_id": "call_1"}):
         bad_argument = tool(**{**ARGUMENTS, "note": "lone \ud800 surrogate"})
-    with AirlockContext(metadata={"tool_call_id": "call_\udfff"}):
-        bad_id = tool(**ARGUMENTS)
     assert bad_argument["block_reason"] == "arguments_not_canonical"
-    assert bad_id["block_reason"] == "store_unavailable"
     assert airlock_effects.count() == 0
     assert airlock_journal.get("call_1") is None
+    for _ in range(2):  # run once, then replayed
+        with AirlockContext(metadata={"tool_call_id": "call_\udfff"}):
+            assert not is_refusal(tool(**ARGUMENTS))
+    assert airlock_effects.count() == 1
+    assert airlock_journal.get("call_\\udfff").status == "committed"
     assert airlock_journal.verify().ok
 
 
