@@ -153,7 +153,9 @@ def read_kind(conn: sqlite3.Connection) -> FileKind:
     app_id = conn.execute("PRAGMA application_id").fetchone()[0]
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     tables = set(sqlite_utils.Database(conn, recursive_triggers=False, execute_plugins=False).table_names())
-    if not tables and app_id == 0 and version == 0:
+    # Blank means nothing in it at all: a database of views alone is someone else's too.
+    empty = not tables and conn.execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
+    if empty and app_id == 0 and version == 0:
         return FileKind("blank")
     marked = "meta" in tables and conn.execute(
         "SELECT value FROM meta WHERE key = 'application'"

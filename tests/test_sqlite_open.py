@@ -190,6 +190,22 @@ def test_a_foreign_db_with_only_a_user_version_is_not_a_journal(tmp_path: Path) 
     assert digest(path) == before
 
 
+@pytest.mark.parametrize("statement", [
+    "CREATE VIEW answer AS SELECT 42 AS value",
+    "CREATE TEMP TABLE t (x); CREATE VIEW v AS SELECT 1",
+], ids=["a-view", "a-view-beside-a-temporary-table"])
+def test_a_db_of_views_alone_is_not_a_journal(tmp_path: Path, statement: str) -> None:
+    path = tmp_path / "app.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(statement)
+    conn.close()
+    before = digest(path)
+    with pytest.raises(NotAJournal, match=r"app\.db is a SQLite database of another application"):
+        SQLiteJournal(path)
+    assert digest(path) == before
+    assert listing(tmp_path) == ["app.db"]
+
+
 @pytest.mark.parametrize("readonly", [False, True])
 def test_a_newer_schema_is_refused_unchanged(tmp_path: Path, readonly: bool) -> None:
     path = tmp_path / "j.db"
