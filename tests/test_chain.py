@@ -318,3 +318,36 @@ def test_the_sqlite_journal_hashes_an_event_as_the_shared_rule_does(
     expected, _ = stamp(event, 1, GENESIS)
     assert stored.hash == expected.hash
     assert verify_lines([orjson.loads(orjson.dumps(stored.export()))]).ok
+
+
+def documented_checker() -> Any:
+    """The third party's checker that docs/journal.md prints, as it is printed."""
+    text = (Path(__file__).parent.parent / "docs" / "journal.md").read_text()
+    block = next(b.split("```", 1)[0] for b in text.split("```python\n")[1:] if "def check(lines)" in b)
+    scope: dict[str, Any] = {}
+    exec(compile(block, "docs/journal.md", "exec"), scope)  # our own documentation, as printed
+    return scope["check"]
+
+
+def test_the_documented_checker_passes_an_export_and_tells_a_none_value_from_none(journal: SQLiteJournal) -> None:
+    fill(journal)
+    journal.append(EffectEvent(kind="pending", call_id="c3", tool="notify", attempt=1, arguments="{}"))
+    journal.append(EffectEvent(kind="committed", call_id="c3", tool="notify", attempt=1, arguments="{}", value="null"))
+    journal.append(EffectEvent(kind="pending", call_id="c4", tool="notify", attempt=1, arguments="{}"))
+    journal.append(EffectEvent(kind="committed", call_id="c4", tool="notify", attempt=1, arguments="{}",
+                               reason={"code": "value_not_stored", "message": "no JSON form"}))
+    check = documented_checker()
+    lines = exported(journal)
+    returned_none, without_value = lines[-3], lines[-1]
+    assert returned_none["value"] is None and returned_none["value_sha256"] == hashlib.sha256(b"null").hexdigest()
+    assert without_value["value"] is None and without_value["value_sha256"] is None
+    check(lines)
+    check(exported(journal, frozenset({"arguments", "value"})))
+    forged = copy.deepcopy(lines)
+    forged[-1]["value"] = {"id": "ch_forged"}  # a value where the event has none
+    with pytest.raises(AssertionError):
+        check(forged)
+    forged = copy.deepcopy(lines)
+    forged[1]["value"] = {"id": "ch_2"}
+    with pytest.raises(AssertionError):
+        check(forged)
