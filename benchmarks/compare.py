@@ -455,7 +455,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp"), help="where the journals go (a disk)")
     # Many short rounds: an fsync's cost swings with the other work on the disk from second to second.
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=30,
+                        help="rounds; each times every system once, the order rotated round by round")
     parser.add_argument("--calls", type=int, default=100, help="calls a round, and replays a round")
     parser.add_argument("--sync-calls", type=int, default=6, help="fresh calls a round where each fsyncs")
     # 1500: enough for every WAL here to have been checkpointed and begun again from its start,

@@ -13,7 +13,7 @@ from guard.effect_guard import EffectGuard, reversibility
 from journal import open_journal
 
 from . import render
-from .options import echo, journal_target
+from .options import describe, echo, journal_target
 
 DEFAULT_DEMO_DB = "airlock-demo.db"
 AGENT = "billing-agent"
@@ -112,9 +112,10 @@ def demo(db: str) -> None:
             record = j.call(tool_call_id)
             return "nothing" if record is None else record.status
 
+        shown = describe(db)  # a URL's password is never printed
         run = _run_number(j)
         first, second, third = (f"call_r{run}_{n}" for n in (1, 2, 3))
-        heading(f"airlock demo: run {run}, journal {db}")
+        heading(f"airlock demo: run {run}, journal {shown}")
         echo()
 
         heading(f"1. Pay invoice A-{run}: charge(account='acct_alice', cents=1250), tool call {first}")
@@ -155,7 +156,7 @@ def demo(db: str) -> None:
             raise click.ClickException(f"expected 2 charges, the backend made {len(backend.ledger)}")
         echo()
 
-        show_command = f"airlock journal show --db {shlex.quote(db)} --limit 3"
+        show_command = f"airlock journal show --db {shlex.quote(shown)} --limit 3"
         heading(f"What `{show_command}` shows the operator:")
         records = j.calls(limit=3)
         for line in render.calls_table(records, width=render.terminal_width(), colour=colour):
@@ -171,6 +172,6 @@ def demo(db: str) -> None:
             echo(f"   The backend has {found['charge_id']} for that key, so the operator settles it with:")
             value = orjson.dumps(found).decode()
             reason = f"backend ledger has {found['charge_id']} for this idempotency key"
-            echo(f"   airlock journal resolve {second} --db {shlex.quote(db)} --applied \\\n"
+            echo(f"   airlock journal resolve {second} --db {shlex.quote(shown)} --applied \\\n"
                        f"       --value {shlex.quote(value)} \\\n"
                        f"       --reason {shlex.quote(reason)}")

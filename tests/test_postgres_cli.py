@@ -140,6 +140,18 @@ def test_copy_prints_a_url_without_its_password(tmp_path: Path, pg_dsn: str) -> 
     assert SECRET not in result.stdout + result.stderr
 
 
+def test_demo_on_postgresql_prints_its_url_without_the_password(pg_dsn: str) -> None:
+    result = invoke("demo", "--db", with_password(pg_dsn))
+    assert result.exit_code == 0, result.output
+    assert SECRET not in result.stdout + result.stderr
+    shown = pg_dsn.split("?")[0]  # the URL as the operator gave it, less the password
+    assert f"journal {shown}" in result.stdout  # the heading and the commands to copy name the journal
+    assert f"airlock journal show --db {shown}" in result.stdout
+    assert f"--db {shown}" in result.stdout.split("settles it with:")[1]
+    with PostgresJournal(pg_dsn, readonly=True) as journal:
+        assert journal.stats().calls == 3
+
+
 def test_copy_of_a_source_that_does_not_verify_names_it_without_its_password(both: tuple[str, str],
                                                                              tmp_path: Path) -> None:
     _, pg_db = both

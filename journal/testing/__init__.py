@@ -7,10 +7,12 @@ from .effects import EffectLog, lost_response
 from .faults import database_full, read_only, write_lock_held
 from .killpoints import KILL_POINTS, KillPoints, die, remove_postgres_kill_point
 from .plugin import airlock_effects, airlock_journal, airlock_journal_path
-from .strategies import CallStep, PlayReport, call_ids, call_sequences, json_values, play
+from .strategies import OUTCOMES, TOOLS, CallStep, PlayReport, call_ids, call_sequences, json_values, play
 
 __all__ = [
     "KILL_POINTS",
+    "OUTCOMES",
+    "TOOLS",
     "CallStep",
     "EffectLog",
     "KillPoints",
