@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -430,40 +431,89 @@ class _Call:
             })
 
 
-class _Handoff:
-    """Who records the release of a begin whose caller was cancelled: the worker thread, when it
-    finishes after the cancellation, or the cancelled caller, when the begin had finished first."""
+_SKIPPED: Any = object()
 
-    __slots__ = ("cancelled", "finished", "lock")
 
-    def __init__(self) -> None:
+class _Job:
+    """``fn(*args)``, made once: by a worker of the loop's executor, or by the caller's thread when no
+    worker can take it; a job given up before it started is never made."""
+
+    __slots__ = ("args", "context", "done", "error", "fn", "lock", "result", "state")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+        self.context = contextvars.copy_context()
         self.lock = threading.Lock()
-        self.cancelled = self.finished = False
+        self.state = "queued"  # then "running", or "dropped"
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
 
-    def finish(self) -> bool:
-        """In the worker, once begin is done: False when the caller is gone (the worker releases)."""
+    def run(self) -> Any:
         with self.lock:
-            self.finished = True
-            return not self.cancelled
+            if self.state != "queued":
+                return _SKIPPED
+            self.state = "running"
+        try:
+            self.result = self.context.run(self.fn, *self.args)
+            return self.result
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            self.done.set()
 
-    def cancel(self) -> bool:
-        """In the cancelled caller: True when begin had finished (the caller releases)."""
+    def here(self) -> Any:
+        """Make it in this thread, unless a worker took it first: then wait for that worker."""
+        if self.run() is _SKIPPED:
+            self.done.wait()
+            if self.error is not None:
+                raise self.error
+        return self.result
+
+    def drop(self) -> bool:
+        """Give it up, if it has not started: True when it never will."""
         with self.lock:
-            self.cancelled = True
-            return self.finished
+            if self.state == "queued":
+                self.state = "dropped"
+                return True
+            return False
 
 
-async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+async def _in_thread(fn: Callable[..., T], *args: Any, droppable: bool = False) -> T:
     """``fn(*args)`` in the event loop's default executor, so that the loop runs on while a store
-    waits for its disk, its server or another process's lock. A cancellation of the caller does not
-    stop it: a record being written is written."""
-    loop = asyncio.get_running_loop()
-    work = functools.partial(contextvars.copy_context().run, fn, *args)
+    waits for its disk, its server or another writer's lock.
+
+    A caller cancelled meanwhile waits for the work to end before its ``CancelledError`` goes on,
+    so that what the work records is recorded when the caller's task is done (a retry then finds
+    it); only ``droppable`` work that has not started yet is given up instead. Without a running
+    asyncio loop (another event loop library, or a coroutine closed as its loop goes), and when no
+    worker can take the work (the executor shut down, or no thread can start), the caller's thread
+    makes it."""
     try:
-        future = loop.run_in_executor(None, work)
-    except RuntimeError:  # the executor is shut down (the loop is closing): the loop's thread does it
-        return work()
-    return await asyncio.shield(future)
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return fn(*args)
+    job = _Job(fn, args)
+    try:
+        future = loop.run_in_executor(None, job.run)
+    except RuntimeError:  # the work may be queued all the same: whoever takes it first makes it
+        return cast(T, job.here())
+    try:
+        return cast(T, await asyncio.shield(future))
+    except asyncio.CancelledError:
+        if not (droppable and job.drop()):
+            await _wait_out(future)
+        raise
+
+
+async def _wait_out(future: asyncio.Future[Any]) -> None:
+    """Wait for ``future`` to end, through any cancellation of the caller meanwhile."""
+    while not future.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait((future,))
+    if not future.cancelled():
+        future.exception()  # retrieved: its failure was the work's own, logged there
 
 
 async def _begin_in_thread(call: _Call, gate: Callable[[], Refusal | None], approved: bool) -> Refusal | None:
@@ -472,25 +522,22 @@ async def _begin_in_thread(call: _Call, gate: Callable[[], Refusal | None], appr
     event loop.
 
     ``gate`` is gates 1 to 5 (their refusals are journaled by the store), or the approver's
-    verdict (``approved``). A cancellation of the caller while begin runs does not leave the
-    call ``pending`` for good: whichever of the worker and the caller is last releases it."""
-    handoff = _Handoff()
+    verdict (``approved``). A caller cancelled before the trip started gives it up; one cancelled
+    while it runs waits for it and, when it recorded ``pending``, records that attempt ``released``
+    (its tool never ran), also off the loop, before the cancellation goes on."""
 
     def work() -> Refusal | None:
-        try:
-            refusal = gate()
-            if refusal is None and (approved or call.escalation is None):
-                refusal = call.begin()
-            return refusal
-        finally:
-            if not handoff.finish():
-                call.abandoned()
+        refusal = gate()
+        if refusal is None and (approved or call.escalation is None):
+            refusal = call.begin()
+        return refusal
 
     try:
-        return await _in_thread(work)
+        return await _in_thread(work, droppable=True)
     except asyncio.CancelledError:
-        if handoff.cancel():
-            call.abandoned()  # one write in the loop's thread, on the way out of a cancelled call
+        if call.verdict is _RUN:
+            job = asyncio.ensure_future(_in_thread(call.abandoned))
+            await _wait_out(job)
         raise
 
 
@@ -589,13 +636,16 @@ class Airlock:
                 try:
                     result = await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
                 except BaseException as e:
-                    if off_loop:
+                    if off_loop and not isinstance(e, GeneratorExit):
                         await _in_thread(call.raised, e)
-                    else:
+                    else:  # a coroutine being closed may not wait for anything
                         call.raised(e)
                     raise
                 finally:
-                    leave_call(token)
+                    # A coroutine closed outside its task's context (destroyed with its loop) cannot
+                    # reset the variable: the context it set it in is gone with the task.
+                    with contextlib.suppress(ValueError):
+                        leave_call(token)
                 if off_loop:
                     await _in_thread(call.returned, result)
                 else:

@@ -10,13 +10,14 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from guard import Airlock, AirlockContext, SecurityPolicy
-from guard.effect_guard import EffectGuard, InMemoryEffectStore
+from guard.effect_guard import EffectGuard, InMemoryEffectStore, reversibility
 from guard.store import CallRecord, Decide, Decision, EffectEvent
 from journal import SQLiteJournal
 
@@ -132,69 +133,27 @@ def test_a_caller_cancelled_while_begin_waits_leaves_a_call_that_may_run(journal
     charge = guarded(journal, effects)
     locker = hold_sqlite(journal.path, HOLD)
 
-    async def main() -> None:
+    async def main() -> Any:
         thread = locker()
         async with AirlockContext(metadata={"tool_call_id": "t3"}):
-            task = asyncio.ensure_future(charge("acct", 5))
-            await asyncio.sleep(0.1)  # begin is waiting for the lock
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            with pytest.raises(TimeoutError):  # a host's timeout, while begin waits for the lock
+                await asyncio.wait_for(charge("acct", 5), 0.1)
+            # The begin went on once the lock was free and recorded pending; the tool never ran, so
+            # the attempt is released before the caller hears of its cancellation, and the host's
+            # retry runs the call, where a pending would have it refused "do not retry".
+            assert [e.kind for e in journal.events(call_id="t3")] == ["pending", "released"]
+            assert effects == []
+            retried = await charge("acct", 5)
         thread.join()
+        return retried
 
-    asyncio.run(main())
-    # The begin went on in its thread once the lock was free, and recorded pending; the tool never
-    # ran, so the attempt is released and a retry runs it, where a pending would refuse it for good.
-    deadline = time.monotonic() + 10
-    while journal.get("t3") is None or journal.get("t3").status == "pending":
-        assert time.monotonic() < deadline, journal.get("t3")
-        time.sleep(0.01)
-    record = journal.get("t3")
-    assert effects == []
-    assert record.status == "released"
-    events = list(journal.events(call_id="t3"))
-    assert [e.kind for e in events] == ["pending", "released"]
-    assert events[-1].error["type"] == "CancelledError"
-
-    async def retry() -> Any:
-        async with AirlockContext(metadata={"tool_call_id": "t3"}):
-            return await charge("acct", 5)
-
-    assert asyncio.run(retry()) == {"charged": 5}
+    assert asyncio.run(main()) == {"charged": 5}
     assert effects == ["acct"]
-    assert journal.get("t3").status == "committed"
+    events = list(journal.events(call_id="t3"))
+    assert [(e.kind, e.attempt) for e in events] == [("pending", 1), ("released", 1), ("pending", 2),
+                                                    ("committed", 2)]
+    assert events[1].error["type"] == "CancelledError"
     assert journal.verify().ok
-
-
-def test_a_caller_cancelled_just_after_begin_finished_releases_the_call(
-    journal: SQLiteJournal, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import guard.airlock as airlock_module
-
-    effects: list[str] = []
-    charge = guarded(journal, effects)
-    tasks: list[asyncio.Task[Any]] = []
-    finish = airlock_module._Handoff.finish
-
-    def finish_then_cancel(self: Any) -> bool:
-        # The cancellation reaches the loop after begin finished, before its result does.
-        kept = finish(self)
-        tasks[0].get_loop().call_soon_threadsafe(tasks[0].cancel)
-        time.sleep(0.1)
-        return kept
-
-    monkeypatch.setattr(airlock_module._Handoff, "finish", finish_then_cancel)
-
-    async def main() -> None:
-        async with AirlockContext(metadata={"tool_call_id": "t8"}):
-            tasks.append(asyncio.ensure_future(charge("acct", 5)))
-            with pytest.raises(asyncio.CancelledError):
-                await tasks[0]
-
-    asyncio.run(main())
-    assert effects == []
-    assert [e.kind for e in journal.events(call_id="t8")] == ["pending", "released"]
-    assert journal.get("t8").status == "released"
 
 
 def test_a_refusal_of_an_async_call_is_journaled_from_the_worker(journal: SQLiteJournal) -> None:
@@ -212,21 +171,31 @@ def test_a_refusal_of_an_async_call_is_journaled_from_the_worker(journal: SQLite
 
 
 class ThreadNotingStore:
-    """A store of one's own that notes the threads it is called from."""
+    """A store of one's own that notes the threads it is called from, and can take its time (a
+    server's round trip) over a begin or an append of some kind."""
 
-    def __init__(self, offload: bool | None = None) -> None:
+    def __init__(self, offload: bool | None = None, begin_takes: float = 0.0,
+                 append_takes: dict[str, float] | None = None) -> None:
         self.inner = InMemoryEffectStore()
         self.threads: set[int] = set()
+        self.writers: dict[str, set[int]] = {}
+        self.begin_takes, self.append_takes = begin_takes, append_takes or {}
         if offload is not None:
             self.offload_async = offload
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         self.threads.add(threading.get_ident())
+        time.sleep(self.begin_takes)
         return self.inner.begin(call_id, decide)
 
     def append(self, event: EffectEvent) -> None:
         self.threads.add(threading.get_ident())
+        self.writers.setdefault(event.kind, set()).add(threading.get_ident())
+        time.sleep(self.append_takes.get(event.kind, 0.0))
         self.inner.append(event)
+
+    def kinds(self, call_id: str) -> list[str]:
+        return [e.kind for e in self.inner.events(call_id)]
 
     def get(self, call_id: str) -> CallRecord | None:
         return self.inner.get(call_id)
@@ -380,3 +349,162 @@ def test_an_approver_that_raises_before_a_begin_off_the_loop(journal: SQLiteJour
 
     assert asyncio.run(main())["block_reason"] == "escalation_denied"
     assert [e.kind for e in journal.events(call_id="e2")] == ["refused"]
+
+
+# -- cancellations and the executor ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reversible", [False, True])
+def test_a_caller_cancelled_while_its_outcome_is_written_leaves_a_committed_call(reversible: bool) -> None:
+    store = ThreadNotingStore(True, append_takes={"committed": 0.4})
+    effects: list[str] = []
+    charge = guarded(store, effects)
+    if reversible:
+        charge = reversibility("reversible")(charge)
+
+    async def main() -> Any:
+        async with AirlockContext(metadata={"tool_call_id": "o1"}):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(charge("acct", 5), 0.1)  # the tool ran; its commit is being written
+            assert store.kinds("o1") == ["pending", "committed"]  # written before the caller heard
+            return await charge("acct", 5)
+
+    assert asyncio.run(main()) == {"charged": 5}  # replayed, not refused, and not run again
+    assert effects == ["acct"]
+    assert store.kinds("o1") == ["pending", "committed", "replayed"]
+
+
+def test_a_caller_cancelled_before_a_worker_took_its_begin_journals_nothing() -> None:
+    store = ThreadNotingStore(True)
+    effects: list[str] = []
+    charge = guarded(store, effects)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+        async with AirlockContext(metadata={"tool_call_id": "q1"}):
+            assert await charge("acct", 5) == {"charged": 5}
+            free = threading.Event()
+            busy = loop.run_in_executor(None, free.wait, 10)  # the one worker is taken
+            task = asyncio.ensure_future(charge("acct", 5))  # a retry, queued behind it
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            free.set()
+            await busy
+            await loop.run_in_executor(None, time.sleep, 0)  # anything still queued has run by now
+
+    asyncio.run(main())
+    assert store.kinds("q1") == ["pending", "committed"]  # no replay journaled for a caller that was gone
+
+
+def test_the_release_of_a_call_cancelled_after_its_begin_is_written_off_the_loop() -> None:
+    store = ThreadNotingStore(True, begin_takes=0.05, append_takes={"released": 0.3})
+    effects: list[str] = []
+    charge = guarded(store, effects)
+
+    async def main() -> int:
+        async with AirlockContext(metadata={"tool_call_id": "r1"}):
+            task = asyncio.ensure_future(charge("acct", 5))
+            await asyncio.sleep(0)  # gates and begin go to a worker
+
+            async def busy_then_cancel() -> None:
+                time.sleep(0.2)  # the loop is busy while the begin finishes and its result waits
+                task.cancel()
+
+            canceller = asyncio.ensure_future(busy_then_cancel())
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await canceller
+            assert store.kinds("r1") == ["pending", "released"]
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert effects == []
+    assert store.writers["released"] and loop_thread not in store.writers["released"]
+
+
+def fail_to_start_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a pids limit or a full memory does: the executor queues the work, then cannot start a thread.
+    start = threading.Thread.start
+    failed: list[bool] = []
+
+    def failing(self: threading.Thread) -> None:
+        if self.name.startswith("starved") and not failed:
+            failed.append(True)
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing)
+
+
+def test_a_worker_that_cannot_start_leaves_the_call_made_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db")
+    journal.offload_async = True
+    effects: list[str] = []
+    charge = guarded(journal, effects)
+
+    @Airlock(policy=SecurityPolicy(denied_tools=["refund"], effect_guard=EffectGuard(store=journal)))
+    async def refund(account: str) -> None:
+        raise AssertionError("a denied tool ran")
+
+    fail_to_start_a_worker(monkeypatch)
+
+    async def main() -> Any:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="starved"))
+        async with AirlockContext(metadata={"tool_call_id": "w1"}):
+            value = await charge("acct", 5)
+        async with AirlockContext(metadata={"tool_call_id": "w2"}):
+            refusal = await refund("acct")
+        await loop.run_in_executor(None, time.sleep, 0)  # the queued copies, if any, have their turn
+        return value, refusal
+
+    value, refusal = asyncio.run(main())
+    assert value == {"charged": 5} and effects == ["acct"]
+    assert refusal["block_reason"] == "policy_violation"
+    assert [e.kind for e in journal.events(call_id="w1")] == ["pending", "committed"]
+    assert [e.kind for e in journal.events(call_id="w2")] == ["refused"]  # one refusal, one event
+    journal.close()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_tool_stepped_without_an_asyncio_loop_runs(tmp_path: Path, offload: bool) -> None:
+    # As another event loop library (trio, say) drives a coroutine: no asyncio loop is running.
+    journal = SQLiteJournal(tmp_path / "j.db")
+    journal.offload_async = offload
+    charge = guarded(journal, [])
+    with AirlockContext(metadata={"tool_call_id": "m1"}):
+        coro = charge("acct", 1)
+        with pytest.raises(StopIteration) as done:
+            coro.send(None)
+    assert done.value.value == {"charged": 1}
+    assert journal.get("m1").status == "committed"
+    journal.close()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_tool_whose_loop_closed_under_it_is_recorded_unknown(tmp_path: Path, offload: bool) -> None:
+    journal = SQLiteJournal(tmp_path / "j.db")
+    journal.offload_async = offload
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    async def charge(account: str) -> None:
+        await asyncio.Event().wait()  # never returns
+
+    loop = asyncio.new_event_loop()
+    coros: list[Any] = []
+    tasks: list[Any] = []
+
+    async def start() -> None:
+        with AirlockContext(metadata={"tool_call_id": "g1"}):
+            coros.append(charge("acct"))
+            tasks.append(loop.create_task(coros[0]))
+        await asyncio.sleep(0.2)  # the tool is running
+
+    loop.run_until_complete(start())
+    loop.close()  # with the task still pending
+    coros[0].close()  # what the garbage collector does to a destroyed task's coroutine
+    assert journal.get("g1").status == "unknown"
+    journal.close()
