@@ -189,6 +189,7 @@ def test_after_a_crash_lost_events_an_append_cut_off_on_the_server_is_still_foun
     journal, proxy = proxied
     monkeypatch.setattr(journal, "_skip_cas", 10**9)  # every write made on the server
     journal.begin("x", run_unless_seen("x"))  # seq 1, on disk
+    journal._pool.wait(10)  # no session opens (and commits its temporary function) as the crash comes
     crash_losing(pg_server, lambda: (  # seq 2 and 3: lost, so the head goes back below what the object saw
         journal.append(EffectEvent("released", "x", "pay", attempt=1, error={"type": "E", "message": "m"})),
         journal.append(EffectEvent("refused", None, "pay", reason={"code": "c", "message": "m"}))))
