@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import contextvars
 import functools
 import inspect
 import logging
-import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar, cast
@@ -26,6 +23,7 @@ from .canonical import (
 )
 from .context import AirlockContext, CallContext, active, enter_call, leave_call
 from .effect_guard import TAGS_LOCK, EffectGuard, decide_attempt, reversibility_of
+from .offload import offloaded
 from .oversight import OversightRequest, OversightResponse, OversightVerdict
 from .policy import SecurityPolicy, required_capabilities
 from .refusal import AirlockBlocked, Refusal, make_refusal
@@ -35,7 +33,6 @@ __all__ = ["Airlock", "airlock_of", "error_of", "message_of"]
 
 log = logging.getLogger("guard")
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
 # An enum member costs a class attribute lookup each time on Python 3.11; the hot path keeps them.
 _RUN, _REPLAY, _REFUSE = Verdict.RUN, Verdict.REPLAY, Verdict.REFUSE
 
@@ -421,124 +418,31 @@ class _Call:
             kind, self.tool.name, self.tool_call_id, self.attempt, e,
         )
 
+    def gates_and_begin(self) -> Refusal | None:
+        """Gates 1 to 5 and, unless one refused or the call must be approved first, the begin."""
+        refusal = self.gates()
+        if refusal is None and self.escalation is None:
+            refusal = self.begin()
+        return refusal
+
+    def approved_and_begin(self, response: Any) -> Refusal | None:
+        """The approver's verdict and, when it grants the call, the begin."""
+        refusal = self.check_approval(response)
+        return self.begin() if refusal is None else refusal
+
+    def order_key(self) -> Any:
+        """What orders this call's store work off the loop: its store and its id."""
+        return None if self.tool_call_id is None else (id(self.eg.store), self.tool_call_id)  # type: ignore[union-attr]
+
     def abandoned(self) -> None:
-        """The caller was cancelled while ``begin`` ran in a worker thread: the tool will not run, so an
-        attempt that ``begin`` recorded ``pending`` is recorded ``released`` (a retry may run it)."""
+        """The caller left (cancelled, or closed with its loop) while its ``begin`` was off the loop:
+        the tool will not run, so an attempt that ``begin`` recorded ``pending`` is recorded
+        ``released`` (a retry may run it)."""
         if self.verdict is _RUN:
             self.verdict = None
             self.outcome("released", error={
                 "type": "CancelledError", "message": "the call was cancelled before its tool ran",
             })
-
-
-_SKIPPED: Any = object()
-
-
-class _Job:
-    """``fn(*args)``, made once: by a worker of the loop's executor, or by the caller's thread when no
-    worker can take it; a job given up before it started is never made."""
-
-    __slots__ = ("args", "context", "done", "error", "fn", "lock", "result", "state")
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        self.fn, self.args = fn, args
-        self.context = contextvars.copy_context()
-        self.lock = threading.Lock()
-        self.state = "queued"  # then "running", or "dropped"
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> Any:
-        with self.lock:
-            if self.state != "queued":
-                return _SKIPPED
-            self.state = "running"
-        try:
-            self.result = self.context.run(self.fn, *self.args)
-            return self.result
-        except BaseException as e:
-            self.error = e
-            raise
-        finally:
-            self.done.set()
-
-    def here(self) -> Any:
-        """Make it in this thread, unless a worker took it first: then wait for that worker."""
-        if self.run() is _SKIPPED:
-            self.done.wait()
-            if self.error is not None:
-                raise self.error
-        return self.result
-
-    def drop(self) -> bool:
-        """Give it up, if it has not started: True when it never will."""
-        with self.lock:
-            if self.state == "queued":
-                self.state = "dropped"
-                return True
-            return False
-
-
-async def _in_thread(fn: Callable[..., T], *args: Any, droppable: bool = False) -> T:
-    """``fn(*args)`` in the event loop's default executor, so that the loop runs on while a store
-    waits for its disk, its server or another writer's lock.
-
-    A caller cancelled meanwhile waits for the work to end before its ``CancelledError`` goes on,
-    so that what the work records is recorded when the caller's task is done (a retry then finds
-    it); only ``droppable`` work that has not started yet is given up instead. Without a running
-    asyncio loop (another event loop library, or a coroutine closed as its loop goes), and when no
-    worker can take the work (the executor shut down, or no thread can start), the caller's thread
-    makes it."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return fn(*args)
-    job = _Job(fn, args)
-    try:
-        future = loop.run_in_executor(None, job.run)
-    except RuntimeError:  # the work may be queued all the same: whoever takes it first makes it
-        return cast(T, job.here())
-    try:
-        return cast(T, await asyncio.shield(future))
-    except asyncio.CancelledError:
-        if not (droppable and job.drop()):
-            await _wait_out(future)
-        raise
-
-
-async def _wait_out(future: asyncio.Future[Any]) -> None:
-    """Wait for ``future`` to end, through any cancellation of the caller meanwhile."""
-    while not future.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait((future,))
-    if not future.cancelled():
-        future.exception()  # retrieved: its failure was the work's own, logged there
-
-
-async def _begin_in_thread(call: _Call, gate: Callable[[], Refusal | None], approved: bool) -> Refusal | None:
-    """``gate()`` and then, unless it refused or the call still needs its approver, the effect
-    guard's begin: for an ``async def`` tool on a store with ``offload_async``, in one trip off the
-    event loop.
-
-    ``gate`` is gates 1 to 5 (their refusals are journaled by the store), or the approver's
-    verdict (``approved``). A caller cancelled before the trip started gives it up; one cancelled
-    while it runs waits for it and, when it recorded ``pending``, records that attempt ``released``
-    (its tool never ran), also off the loop, before the cancellation goes on."""
-
-    def work() -> Refusal | None:
-        refusal = gate()
-        if refusal is None and (approved or call.escalation is None):
-            refusal = call.begin()
-        return refusal
-
-    try:
-        return await _in_thread(work, droppable=True)
-    except asyncio.CancelledError:
-        if call.verdict is _RUN:
-            job = asyncio.ensure_future(_in_thread(call.abandoned))
-            await _wait_out(job)
-        raise
 
 
 class Airlock:
@@ -607,8 +511,9 @@ class Airlock:
             async def wrapper(*args: Any, **kwargs: Any) -> Any:
                 call = _Call(self, cache[0] if cache else tool(), args, kwargs)
                 off_loop = call.eg is not None and getattr(call.eg.store, "offload_async", False) is True
+                key = call.order_key() if off_loop else None
                 if off_loop:
-                    refusal = await _begin_in_thread(call, call.gates, approved=False)
+                    refusal = await offloaded(call.gates_and_begin, key=key, droppable=True, after=call.abandoned)
                 else:
                     refusal = call.gates()
                 if refusal is None and call.escalation is not None:
@@ -617,11 +522,12 @@ class Airlock:
                         if inspect.isawaitable(response):
                             response = await response
                     except Exception as e:
-                        refusal = await _in_thread(call.approval_failed, e) if off_loop else call.approval_failed(e)
+                        refusal = (await offloaded(call.approval_failed, e, key=key) if off_loop
+                                   else call.approval_failed(e))
                     else:
                         if off_loop:
-                            verdict = functools.partial(call.check_approval, response)
-                            refusal = await _begin_in_thread(call, verdict, approved=True)
+                            refusal = await offloaded(call.approved_and_begin, response, key=key, droppable=True,
+                                                      after=call.abandoned)
                         else:
                             refusal = call.check_approval(response)
                             if refusal is None:
@@ -637,7 +543,7 @@ class Airlock:
                     result = await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
                 except BaseException as e:
                     if off_loop and not isinstance(e, GeneratorExit):
-                        await _in_thread(call.raised, e)
+                        await offloaded(call.raised, e, key=key)
                     else:  # a coroutine being closed may not wait for anything
                         call.raised(e)
                     raise
@@ -647,7 +553,7 @@ class Airlock:
                     with contextlib.suppress(ValueError):
                         leave_call(token)
                 if off_loop:
-                    await _in_thread(call.returned, result)
+                    await offloaded(call.returned, result, key=key)
                 else:
                     call.returned(result)
                 return result

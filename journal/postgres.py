@@ -343,7 +343,7 @@ class PostgresJournal(LogReads):
     or :class:`JournalError` (the server cannot be reached); in every case nothing is changed.
     """
 
-    #: ``async def`` tools make this journal's writes in the event loop's default executor, so
+    #: ``async def`` tools make this journal's writes in the guard's pool of threads, off the loop, so
     #: that the loop runs on while a write waits for the server (set it false to keep them on the loop).
     offload_async = True
 

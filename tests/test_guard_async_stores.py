@@ -6,6 +6,7 @@ stuck ``pending``."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from guard import Airlock, AirlockContext, SecurityPolicy
+from guard import Airlock, AirlockContext, SecurityPolicy, offload
 from guard.effect_guard import EffectGuard, InMemoryEffectStore, reversibility
 from guard.store import CallRecord, Decide, Decision, EffectEvent
 from journal import SQLiteJournal
@@ -75,6 +76,14 @@ async def ticks_during(coro: Any) -> tuple[Any, int]:
         done = True
         await task
     return result, count
+
+
+def settled(condition: Callable[[], bool], within: float = 10.0) -> None:
+    """Wait for what a worker makes after its caller left."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "not settled in time"
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -136,13 +145,13 @@ def test_a_caller_cancelled_while_begin_waits_leaves_a_call_that_may_run(journal
     async def main() -> Any:
         thread = locker()
         async with AirlockContext(metadata={"tool_call_id": "t3"}):
+            started = time.monotonic()
             with pytest.raises(TimeoutError):  # a host's timeout, while begin waits for the lock
                 await asyncio.wait_for(charge("acct", 5), 0.1)
-            # The begin went on once the lock was free and recorded pending; the tool never ran, so
-            # the attempt is released before the caller hears of its cancellation, and the host's
-            # retry runs the call, where a pending would have it refused "do not retry".
-            assert [e.kind for e in journal.events(call_id="t3")] == ["pending", "released"]
-            assert effects == []
+            assert time.monotonic() - started < HOLD / 2  # the caller left at once
+            # The begin goes on once the lock is free and records pending; the tool never ran, so the
+            # worker records the attempt released, and the host's retry, which waits for that, runs
+            # the call, where a pending would have it refused "do not retry".
             retried = await charge("acct", 5)
         thread.join()
         return retried
@@ -366,34 +375,35 @@ def test_a_caller_cancelled_while_its_outcome_is_written_leaves_a_committed_call
         async with AirlockContext(metadata={"tool_call_id": "o1"}):
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(charge("acct", 5), 0.1)  # the tool ran; its commit is being written
-            assert store.kinds("o1") == ["pending", "committed"]  # written before the caller heard
-            return await charge("acct", 5)
+            assert store.kinds("o1") == ["pending"]  # the caller left without waiting for it
+            return await charge("acct", 5)  # the retry waits for it
 
     assert asyncio.run(main()) == {"charged": 5}  # replayed, not refused, and not run again
     assert effects == ["acct"]
     assert store.kinds("o1") == ["pending", "committed", "replayed"]
 
 
-def test_a_caller_cancelled_before_a_worker_took_its_begin_journals_nothing() -> None:
+def test_a_caller_cancelled_before_a_worker_took_its_begin_journals_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     store = ThreadNotingStore(True)
     effects: list[str] = []
     charge = guarded(store, effects)
 
+    pool = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(offload, "_executor", pool)  # the guard's pool, shrunk to one thread
+
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
         async with AirlockContext(metadata={"tool_call_id": "q1"}):
             assert await charge("acct", 5) == {"charged": 5}
             free = threading.Event()
-            busy = loop.run_in_executor(None, free.wait, 10)  # the one worker is taken
+            busy = pool.submit(free.wait, 10)  # its one worker is taken (by another call's write)
             task = asyncio.ensure_future(charge("acct", 5))  # a retry, queued behind it
             await asyncio.sleep(0.05)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             free.set()
-            await busy
-            await loop.run_in_executor(None, time.sleep, 0)  # anything still queued has run by now
+            busy.result()
+            pool.submit(time.sleep, 0).result()  # anything still queued has run by now
 
     asyncio.run(main())
     assert store.kinds("q1") == ["pending", "committed"]  # no replay journaled for a caller that was gone
@@ -417,10 +427,10 @@ def test_the_release_of_a_call_cancelled_after_its_begin_is_written_off_the_loop
             with pytest.raises(asyncio.CancelledError):
                 await task
             await canceller
-            assert store.kinds("r1") == ["pending", "released"]
         return threading.get_ident()
 
     loop_thread = asyncio.run(main())
+    settled(lambda: store.kinds("r1") == ["pending", "released"])
     assert effects == []
     assert store.writers["released"] and loop_thread not in store.writers["released"]
 
@@ -451,14 +461,15 @@ def test_a_worker_that_cannot_start_leaves_the_call_made_once(tmp_path: Path, mo
 
     fail_to_start_a_worker(monkeypatch)
 
+    pool = ThreadPoolExecutor(thread_name_prefix="starved")
+    monkeypatch.setattr(offload, "_executor", pool)
+
     async def main() -> Any:
-        loop = asyncio.get_running_loop()
-        loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="starved"))
         async with AirlockContext(metadata={"tool_call_id": "w1"}):
             value = await charge("acct", 5)
         async with AirlockContext(metadata={"tool_call_id": "w2"}):
             refusal = await refund("acct")
-        await loop.run_in_executor(None, time.sleep, 0)  # the queued copies, if any, have their turn
+        pool.submit(time.sleep, 0).result()  # the queued copies, if any, have their turn
         return value, refusal
 
     value, refusal = asyncio.run(main())
@@ -507,4 +518,221 @@ def test_a_tool_whose_loop_closed_under_it_is_recorded_unknown(tmp_path: Path, o
     loop.close()  # with the task still pending
     coros[0].close()  # what the garbage collector does to a destroyed task's coroutine
     assert journal.get("g1").status == "unknown"
+    journal.close()
+
+
+# -- the guard's own pool ----------------------------------------------------------------------
+
+
+class GatedStore(ThreadNotingStore):
+    """Its begin waits for ``gate`` (a server that answers late)."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.begun = threading.Event()
+
+    def begin(self, call_id: str, decide: Decide) -> Decision:
+        self.begun.set()
+        assert self.gate.wait(20)
+        return super().begin(call_id, decide)
+
+
+def test_host_threads_waiting_for_guarded_calls_in_the_default_executor_do_not_starve_them(
+    journal: SQLiteJournal,
+) -> None:
+    # Sync code that a host runs with asyncio.to_thread, calling async tools on the loop and waiting.
+    charge = guarded(journal, [])
+    workers = ThreadPoolExecutor()._max_workers  # what the loop's default executor gets here
+
+    async def one(i: int) -> Any:
+        async with AirlockContext(metadata={"tool_call_id": f"b{i}"}):
+            return await charge(f"acct{i}", i)
+
+    async def main() -> list[Any]:
+        loop = asyncio.get_running_loop()
+
+        def bridge(i: int) -> Any:
+            return asyncio.run_coroutine_threadsafe(one(i), loop).result(timeout=10)
+
+        return list(await asyncio.gather(*(asyncio.to_thread(bridge, i) for i in range(workers * 2))))
+
+    assert asyncio.run(main()) == [{"charged": i} for i in range(workers * 2)]
+
+
+def test_a_cancelled_caller_leaves_at_once_while_the_default_executor_is_busy(journal: SQLiteJournal) -> None:
+    started = asyncio.Event()
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    async def charge(account: str) -> None:
+        started.set()
+        await asyncio.sleep(10)
+
+    workers = ThreadPoolExecutor()._max_workers
+
+    async def main() -> float:
+        host = [asyncio.ensure_future(asyncio.to_thread(time.sleep, 1.5)) for _ in range(workers)]
+        async with AirlockContext(metadata={"tool_call_id": "h1"}):
+            task = asyncio.ensure_future(charge("acct"))
+            await asyncio.wait_for(started.wait(), 10)
+            await asyncio.sleep(0.05)  # the host's threads took every worker of the default executor
+            begun = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            held = time.monotonic() - begun
+            assert not any(job.done() for job in host)  # they still hold every worker
+            retry = await charge("acct")
+        await asyncio.gather(*host)
+        assert retry["block_reason"] == "effect_status_unknown"  # the retry found the unknown
+        return held
+
+    assert asyncio.run(main()) < 0.5
+    assert journal.get("h1").status == "unknown"
+
+
+def test_a_second_call_with_the_id_does_not_wait_for_the_first_ones_tool() -> None:
+    store = ThreadNotingStore(True)
+    release = asyncio.Event()
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)))
+    async def charge(account: str) -> str:
+        await release.wait()
+        return "ok"
+
+    async def main() -> tuple[Any, Any]:
+        async with AirlockContext(metadata={"tool_call_id": "d1"}):
+            first = asyncio.ensure_future(charge("acct"))
+            await asyncio.sleep(0.05)  # the first is in its tool
+            second = await asyncio.wait_for(charge("acct"), 5)  # refused at once, not after the tool
+            release.set()
+            return await first, second
+
+    first, second = asyncio.run(main())
+    assert first == "ok" and second["block_reason"] == "effect_status_unknown"
+    assert store.kinds("d1") == ["pending", "refused", "committed"]
+
+
+def test_an_anyio_cancel_scope_leaves_at_once_and_spins_nothing() -> None:
+    anyio = pytest.importorskip("anyio")
+    store = GatedStore()
+    store.gate.clear()  # the begin answers a second late
+    effects: list[str] = []
+    charge = guarded(store, effects)
+
+    async def main() -> tuple[float, float]:
+        cpu, wall = time.process_time(), time.monotonic()
+        async with AirlockContext(metadata={"tool_call_id": "n1"}):
+            with anyio.move_on_after(0.05):  # what an MCP request's cancel scope does
+                await charge("acct", 5)
+        return time.process_time() - cpu, time.monotonic() - wall
+
+    threading.Timer(1.0, store.gate.set).start()
+    cpu, wall = anyio.run(main)
+    assert wall < 0.5 and cpu < 0.3
+    settled(lambda: store.kinds("n1") == ["pending", "released"])
+    assert effects == []
+
+
+@pytest.mark.parametrize("phase", ["running", "queued"])
+def test_a_coroutine_closed_during_its_begin_leaves_a_call_that_may_run(
+    phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = GatedStore()
+    effects: list[str] = []
+    charge = guarded(store, effects)
+    pool = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(offload, "_executor", pool)
+    free = threading.Event()
+    loop = asyncio.new_event_loop()
+    coros: list[Any] = []
+    tasks: list[Any] = []
+
+    async def start() -> None:
+        if phase == "running":
+            store.gate.clear()
+        else:
+            pool.submit(free.wait, 10)  # the one worker is taken
+        with AirlockContext(metadata={"tool_call_id": "g2"}):
+            coros.append(charge("acct", 5))
+            tasks.append(loop.create_task(coros[0]))
+        await asyncio.sleep(0.1)
+        assert store.begun.is_set() == (phase == "running")
+
+    loop.run_until_complete(start())
+    loop.close()  # with the task still pending
+    coros[0].close()  # what the garbage collector does to a destroyed task's coroutine
+    store.gate.set()
+    free.set()
+    pool.submit(time.sleep, 0).result()
+    expected = ["pending", "released"] if phase == "running" else []
+    settled(lambda: store.kinds("g2") == expected)
+
+    async def retry() -> Any:
+        async with AirlockContext(metadata={"tool_call_id": "g2"}):
+            return await charge("acct", 5)
+
+    assert asyncio.run(retry()) == {"charged": 5}
+    assert effects == ["acct"]
+
+
+def test_work_made_in_the_callers_thread_keeps_nothing_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import weakref
+
+    class Rows(list[str]):  # a value a weak reference can watch
+        pass
+
+    store = ThreadNotingStore(True)
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)))
+    async def fetch(n: int) -> Any:
+        return Rows(["x" * 100] * 10)
+
+    start = threading.Thread.start
+
+    def always_failing(self: threading.Thread) -> None:
+        if self.name.startswith("starved"):
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", always_failing)
+    pool = ThreadPoolExecutor(thread_name_prefix="starved")
+    monkeypatch.setattr(offload, "_executor", pool)
+    values: list[weakref.ref[Any]] = []
+
+    async def main() -> None:
+        for i in range(20):
+            async with AirlockContext(metadata={"tool_call_id": f"l{i}"}):
+                values.append(weakref.ref(await fetch(i)))
+
+    asyncio.run(main())
+    gc.collect()
+    assert all(store.get(f"l{i}").status == "committed" for i in range(20))
+    assert sum(v() is not None for v in values) == 0  # the jobs left queued hold no value
+    assert not offload._last  # nor any order of work
+
+
+def test_a_forked_child_has_a_pool_of_its_own(tmp_path: Path) -> None:
+    import multiprocessing
+
+    journal = SQLiteJournal(tmp_path / "f.db")
+    journal.offload_async = True
+    charge = guarded(journal, [])
+
+    async def one(call_id: str) -> Any:
+        async with AirlockContext(metadata={"tool_call_id": call_id}):
+            return await charge("acct", 1)
+
+    assert asyncio.run(one("parent")) == {"charged": 1}
+
+    def child() -> None:
+        os._exit(0 if asyncio.run(one("child")) == {"charged": 1} else 1)
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(30)
+    assert process.exitcode == 0
+    assert journal.get("child").status == "committed"
     journal.close()
