@@ -262,7 +262,7 @@ class SQLiteJournal(LogReads):
 
     #: Set it true (on the object or a subclass) to have ``async def`` tools make this journal's
     #: writes in the guard's pool of threads, off the loop, so that the loop runs on while a write waits
-    #: for another writer's lock. Off by default: each trip costs some 60-70 µs.
+    #: for another writer's lock. Off by default: each trip costs some 70-90 µs.
     offload_async = False
 
     def __init__(
