@@ -430,10 +430,6 @@ class _Call:
         refusal = self.check_approval(response)
         return self.begin() if refusal is None else refusal
 
-    def order_key(self) -> Any:
-        """What orders this call's store work off the loop: its store and its id."""
-        return None if self.tool_call_id is None else (id(self.eg.store), self.tool_call_id)  # type: ignore[union-attr]
-
     def abandoned(self) -> None:
         """The caller left (cancelled, or closed with its loop) while its ``begin`` was off the loop:
         the tool will not run, so an attempt that ``begin`` recorded ``pending`` is recorded
@@ -511,9 +507,8 @@ class Airlock:
             async def wrapper(*args: Any, **kwargs: Any) -> Any:
                 call = _Call(self, cache[0] if cache else tool(), args, kwargs)
                 off_loop = call.eg is not None and getattr(call.eg.store, "offload_async", False) is True
-                key = call.order_key() if off_loop else None
                 if off_loop:
-                    refusal = await offloaded(call.gates_and_begin, key=key, droppable=True, after=call.abandoned)
+                    refusal = await offloaded(call.gates_and_begin, droppable=True, after=call.abandoned)
                 else:
                     refusal = call.gates()
                 if refusal is None and call.escalation is not None:
@@ -522,12 +517,11 @@ class Airlock:
                         if inspect.isawaitable(response):
                             response = await response
                     except Exception as e:
-                        refusal = (await offloaded(call.approval_failed, e, key=key) if off_loop
-                                   else call.approval_failed(e))
+                        refusal = await offloaded(call.approval_failed, e) if off_loop else call.approval_failed(e)
                     else:
                         if off_loop:
-                            refusal = await offloaded(call.approved_and_begin, response, key=key, droppable=True,
-                                                      after=call.abandoned)
+                            # Not given up, even for a caller that left: a denial is journaled.
+                            refusal = await offloaded(call.approved_and_begin, response, after=call.abandoned)
                         else:
                             refusal = call.check_approval(response)
                             if refusal is None:
@@ -543,7 +537,7 @@ class Airlock:
                     result = await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
                 except BaseException as e:
                     if off_loop and not isinstance(e, GeneratorExit):
-                        await offloaded(call.raised, e, key=key)
+                        await offloaded(call.raised, e)
                     else:  # a coroutine being closed may not wait for anything
                         call.raised(e)
                     raise
@@ -553,7 +547,7 @@ class Airlock:
                     with contextlib.suppress(ValueError):
                         leave_call(token)
                 if off_loop:
-                    await offloaded(call.returned, result, key=key)
+                    await offloaded(call.returned, result)
                 else:
                     call.returned(result)
                 return result

@@ -2,10 +2,9 @@
 
 The work goes to a pool of the guard's own threads, not to the loop's default executor, so that it
 never waits behind the host's own threaded work, and a host that waits in a default-executor
-thread for a guarded call cannot starve it. The work asked for on one call id is made in the order
-it was asked for: a retry waits for what its earlier attempt still had under way (the release of
-an attempt whose caller was cancelled, an outcome being written), so it finds the call settled.
-Once a worker has taken a piece of work, the work is made, whatever becomes of its caller.
+thread for a guarded call cannot starve it. Once a worker has taken a piece of work, the work is
+made, and its caller, cancelled or not, returns only when it is: so what a call recorded is
+recorded when its task is done, and a retry (or a host that closes its journal next) finds it.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import asyncio
 import contextvars
 import os
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,7 +24,6 @@ WORKERS = 32
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
-_last: dict[Hashable, threading.Event] = {}  # per call: the end of the work asked for last
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -39,10 +37,19 @@ def _pool() -> ThreadPoolExecutor:
     return pool
 
 
+def _forget(pool: ThreadPoolExecutor) -> None:
+    # A pool that could not start a thread: the next work gets a new one, and this one's queue goes
+    # with it once nothing refers to it.
+    global _executor
+    with _lock:
+        if _executor is pool:
+            _executor = None
+
+
 def _forked() -> None:
-    # The child has none of the parent's threads: a pool, and work, of its own.
-    global _executor, _lock, _last
-    _lock, _executor, _last = threading.Lock(), None, {}
+    # The child has none of the parent's threads: a pool of its own.
+    global _executor, _lock
+    _lock, _executor = threading.Lock(), None
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -50,29 +57,22 @@ os.register_at_fork(after_in_child=_forked)
 
 class _Job:
     """``fn(*args)`` in a copy of the caller's context, made once: by a worker, or by the caller's
-    thread when no worker can take it; never made when given up before it started."""
+    thread when no worker can take it; never made when given up before it started. ``after`` is
+    made by the worker once the work is done, when its caller had left by then."""
 
-    __slots__ = ("abandoned", "after", "args", "context", "done", "error", "fn", "key", "lock", "prev",
-                 "result", "state")
+    __slots__ = ("abandoned", "after", "args", "context", "done", "error", "fn", "lock", "result", "state")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], key: Hashable | None,
-                 after: Callable[[], Any] | None) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], after: Callable[[], Any] | None) -> None:
         self.fn: Callable[..., Any] | None = fn
         self.args: tuple[Any, ...] = args
         self.after = after
         self.context: contextvars.Context | None = contextvars.copy_context()
-        self.key = key
         self.lock = threading.Lock()
         self.state = "queued"  # then "running" and "finished", or "dropped"
         self.abandoned = False
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
-        self.prev: threading.Event | None = None
-        if key is not None:
-            with _lock:
-                self.prev = _last.get(key)
-                _last[key] = self.done
 
     def run(self) -> None:
         with self.lock:
@@ -82,8 +82,6 @@ class _Job:
         fn, context = self.fn, self.context
         assert fn is not None and context is not None
         try:
-            if self.prev is not None:
-                self.prev.wait()  # what was asked for before on this call is made first
             self.result = context.run(fn, *self.args)
         except BaseException as e:  # the caller's to raise, when it is still there
             self.error = e
@@ -107,8 +105,8 @@ class _Job:
         return True
 
     def abandon(self) -> bool:
-        """The caller is gone: True when the worker will call ``after`` once the work is done, False
-        when it was done already."""
+        """The caller is leaving: True when the worker makes ``after`` once the work is done, False
+        when the work was done already."""
         with self.lock:
             if self.state == "finished":
                 return False
@@ -116,50 +114,66 @@ class _Job:
             return True
 
     def _end(self) -> None:
-        self.fn = self.context = self.after = None  # the arguments and the result go with the caller
+        self.fn = self.context = self.after = None  # the arguments go; the result goes with the caller
         self.args = ()
         self.done.set()
-        if self.key is not None:
-            with _lock:
-                if _last.get(self.key) is self.done:
-                    del _last[self.key]
 
 
-def _start(job: _Job, loop: asyncio.AbstractEventLoop | None) -> asyncio.Future[None] | None:
+def _start(job: _Job, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None] | None:
     """Hand ``job`` to a worker; None when it was made in this thread instead (no worker could
     take it: the interpreter is shutting down, or no thread can start)."""
+    pool = _pool()
     try:
-        if loop is None:
-            _pool().submit(job.run)
-            return None
-        return loop.run_in_executor(_pool(), job.run)
+        return loop.run_in_executor(pool, job.run)
     except RuntimeError:  # it may be queued all the same: whichever of the two takes it first makes it
+        _forget(pool)
         job.run()
         job.done.wait()
         return None
 
 
-async def offloaded(fn: Callable[..., Any], *args: Any, key: Hashable | None = None, droppable: bool = False,
+async def _wait_out(job: _Job, future: asyncio.Future[None]) -> None:
+    """Wait for ``job`` to end, the caller being cancelled already: through one more cancellation
+    in the loop, and past that (a cancel scope that cancels again on every turn of the loop) in
+    this thread, rather than spin."""
+    try:
+        await asyncio.wait((future,))
+    except asyncio.CancelledError:
+        job.done.wait()
+
+
+async def offloaded(fn: Callable[..., Any], *args: Any, droppable: bool = False,
                     after: Callable[[], Any] | None = None) -> Any:
     """``fn(*args)`` made by a worker of the guard's pool; returns what it returns, or raises what it raises.
 
-    ``key`` (a call's id) orders the work of one call. A caller cancelled, or closed, while it waits
-    leaves at once: work a worker has not taken yet is given up if ``droppable``, else it is made
-    all the same; ``after`` is called, by a worker, once work made for a caller that left is done.
-    Without a running asyncio loop (a coroutine that another library drives) the caller's thread
-    makes it."""
+    A caller cancelled while it waits gives the work up if it is ``droppable`` and no worker has
+    taken it yet; otherwise it waits for the work to end, then for ``after``, and only then raises
+    its ``CancelledError``. A coroutine closed while it waits (its loop gone) does the same in its
+    own thread. Without a running asyncio loop (a coroutine that another library drives) the
+    caller's thread makes it."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return fn(*args)
-    job = _Job(fn, args, key, after)
+    job = _Job(fn, args, after)
     future = _start(job, loop)
     if future is not None:
         try:
             await asyncio.shield(future)
-        except BaseException:  # cancelled, or closed with its loop: the work is the workers' now
-            if not (droppable and job.drop()) and not job.abandon() and after is not None:
-                _start(_Job(after, (), key, None), None)  # done already: its sequel follows on its own
+        except GeneratorExit:  # closed: nothing may be awaited any more
+            if not (droppable and job.drop()):
+                if job.abandon():
+                    job.done.wait()
+                elif after is not None:
+                    after()
+            raise
+        except BaseException:
+            if not (droppable and job.drop()):
+                sequel = not job.abandon() and after is not None
+                await _wait_out(job, future)
+                if sequel:
+                    assert after is not None
+                    await offloaded(after)
             raise
     if job.error is not None:
         raise job.error
