@@ -170,10 +170,17 @@ async def offloaded(fn: Callable[..., Any], *args: Any, droppable: bool = False,
         except BaseException:
             if not (droppable and job.drop()):
                 sequel = not job.abandon() and after is not None
-                await _wait_out(job, future)
+                try:
+                    await _wait_out(job, future)
+                except GeneratorExit:  # closed while it waited: the rest in this thread
+                    job.done.wait()
+                    if sequel:
+                        assert after is not None
+                        after()
+                    raise
                 if sequel:
                     assert after is not None
-                    await offloaded(after)
+                    await offloaded(after)  # which sees to its own closing
             raise
     if job.error is not None:
         raise job.error

@@ -795,3 +795,90 @@ def test_a_denial_is_journaled_for_a_caller_that_left_before_a_worker_took_it(
 
     asyncio.run(main())
     assert [(e.kind, e.reason["code"]) for e in store.inner.events("a1")] == [("refused", "escalation_denied")]
+
+
+def suspended_in(coro: Any) -> list[str]:
+    """The coroutines ``coro`` is suspended in, outermost first."""
+    names = []
+    while coro is not None and hasattr(coro, "cr_code"):
+        names.append(coro.cr_code.co_name)
+        coro = coro.cr_await
+    return names
+
+
+def one_turn(loop: asyncio.AbstractEventLoop) -> None:
+    loop.call_soon(loop.stop)
+    loop.run_forever()
+
+
+def test_a_coroutine_closed_as_it_waits_to_release_a_finished_begin_still_releases() -> None:
+    store = GatedStore()
+    store.gate.clear()
+    effects: list[str] = []
+    charge = guarded(store, effects)
+    loop = asyncio.new_event_loop()
+    with AirlockContext(metadata={"tool_call_id": "z1"}):
+        coro = charge("acct", 5)
+        task = loop.create_task(coro)
+
+    async def until_begun() -> None:
+        while not store.begun.is_set():
+            await asyncio.sleep(0.005)
+
+    loop.run_until_complete(until_begun())
+    store.gate.set()
+    settled(lambda: store.kinds("z1") == ["pending"])
+    time.sleep(0.1)  # the worker is done; its result waits for the loop
+    task.cancel()
+    one_turn(loop)  # the caller takes its cancellation: the release is left to it
+    assert suspended_in(coro)[:3] == ["wrapper", "offloaded", "_wait_out"]
+    loop.close()
+    coro.close()
+    assert effects == []
+    assert store.kinds("z1") == ["pending", "released"]
+
+
+def test_a_coroutine_closed_as_it_waits_for_the_release_returns_once_it_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "z.db"
+    journal = SQLiteJournal(path)
+    journal.offload_async = True
+    journal.head()
+    begin_gate, release_gate, begun = threading.Event(), threading.Event(), threading.Event()
+    begin, append = journal.begin, journal.append
+
+    def slow_begin(call_id: str, decide: Decide) -> Decision:
+        begun.set()
+        assert begin_gate.wait(20)
+        return begin(call_id, decide)
+
+    def slow_append(event: EffectEvent) -> None:
+        if event.kind == "released":
+            assert release_gate.wait(20)  # a server's round trip
+        append(event)
+
+    journal.begin = slow_begin  # type: ignore[method-assign]
+    journal.append = slow_append  # type: ignore[method-assign]
+    effects: list[str] = []
+    charge = guarded(journal, effects)
+    loop = asyncio.new_event_loop()
+    with AirlockContext(metadata={"tool_call_id": "z2"}):
+        coro = charge("acct", 5)
+        task = loop.create_task(coro)
+
+    async def until_begun() -> None:
+        while not begun.is_set():
+            await asyncio.sleep(0.005)
+
+    loop.run_until_complete(until_begun())
+    task.cancel()
+    one_turn(loop)  # cancelled while its begin is under way: it waits for it
+    assert suspended_in(coro)[:3] == ["wrapper", "offloaded", "_wait_out"]
+    loop.close()
+    begin_gate.set()
+    settled(lambda: journal.get("z2") is not None)
+    threading.Timer(0.3, release_gate.set).start()
+    coro.close()  # returns once the release under way is written
+    journal.close()  # as a host does once its loop is gone
+    with SQLiteJournal(path) as reopened:
+        assert [e.kind for e in reopened.events(call_id="z2")] == ["pending", "released"]
+    assert effects == []
