@@ -510,7 +510,7 @@ class Airlock:
                 if off_loop:
                     refusal = await offloaded(call.gates_and_begin, droppable=True, after=call.abandoned)
                 else:
-                    refusal = call.gates()
+                    refusal = call.gates_and_begin()
                 if refusal is None and call.escalation is not None:
                     try:
                         response: Any = self.policy.approver(call.approval_request())  # type: ignore[misc]
@@ -519,15 +519,9 @@ class Airlock:
                     except Exception as e:
                         refusal = await offloaded(call.approval_failed, e) if off_loop else call.approval_failed(e)
                     else:
-                        if off_loop:
-                            # Not given up, even for a caller that left: a denial is journaled.
-                            refusal = await offloaded(call.approved_and_begin, response, after=call.abandoned)
-                        else:
-                            refusal = call.check_approval(response)
-                            if refusal is None:
-                                refusal = call.begin()
-                elif refusal is None and not off_loop:
-                    refusal = call.begin()
+                        # Not given up even for a caller that left meanwhile: a denial is journaled.
+                        refusal = (await offloaded(call.approved_and_begin, response, after=call.abandoned)
+                                   if off_loop else call.approved_and_begin(response))
                 if refusal is not None:
                     return self.blocked(refusal)
                 if call.verdict is _REPLAY:

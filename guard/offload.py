@@ -169,18 +169,16 @@ async def offloaded(fn: Callable[..., Any], *args: Any, droppable: bool = False,
             raise
         except BaseException:
             if not (droppable and job.drop()):
-                sequel = not job.abandon() and after is not None
+                sequel = None if job.abandon() else after  # done already: ``after`` is the caller's
                 try:
                     await _wait_out(job, future)
                 except GeneratorExit:  # closed while it waited: the rest in this thread
                     job.done.wait()
-                    if sequel:
-                        assert after is not None
-                        after()
+                    if sequel is not None:
+                        sequel()
                     raise
-                if sequel:
-                    assert after is not None
-                    await offloaded(after)  # which sees to its own closing
+                if sequel is not None:
+                    await offloaded(sequel)  # which sees to its own closing
             raise
     if job.error is not None:
         raise job.error
