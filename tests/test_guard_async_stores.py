@@ -882,3 +882,27 @@ def test_a_coroutine_closed_as_it_waits_for_the_release_returns_once_it_is_writt
     with SQLiteJournal(path) as reopened:
         assert [e.kind for e in reopened.events(call_id="z2")] == ["pending", "released"]
     assert effects == []
+
+
+@pytest.mark.parametrize("name, arguments", [("no_such_tool", "{}"), ("charge", "{not json"),
+                                             ("charge", '{"account": "a"}')],
+                         ids=["unknown-tool", "not-json", "not-fitting"])
+def test_an_adapters_own_refusal_is_journaled_off_the_loop(journal: SQLiteJournal, name: str, arguments: str) -> None:
+    from guard.adapters.openai import adispatch
+
+    effects: list[str] = []
+    charge = guarded(journal, effects)
+    locker = hold_sqlite(journal.path, HOLD)
+    tool_call = {"id": "m1", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+    async def main() -> tuple[Any, int]:
+        thread = locker()
+        reply = await ticks_during(adispatch(tool_call, [charge]))
+        thread.join()
+        return reply
+
+    reply, ticks = asyncio.run(main())
+    assert ticks >= 10  # the loop ran on while the refusal waited for the lock
+    assert reply["tool_call_id"] == "m1" and '"status":"blocked"' in reply["content"].replace(" ", "")
+    assert [e.kind for e in journal.events(call_id="m1")] == ["refused"]
+    assert effects == []

@@ -8,6 +8,7 @@ expects next. Nothing here imports an SDK.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -16,13 +17,14 @@ import typing
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
 from ..airlock import Airlock, is_deferred, message_of
 from ..canonical import storable, to_json_value
 from ..context import AirlockContext, get_current_context
+from ..offload import offloaded
 from ..refusal import AirlockBlocked, Refusal, is_refusal, make_refusal
 from ..store import EffectEvent, EffectStore
 
@@ -249,6 +251,19 @@ def _stores(table: Mapping[str, _Guarded]) -> list[EffectStore]:
     return stores
 
 
+def _offloads(store: EffectStore) -> bool:
+    return getattr(store, "offload_async", False) is True
+
+
+class _Rejection:
+    """Arguments that cannot be passed on, and why: the refusal, still to be made."""
+
+    __slots__ = ("arguments", "details", "problem")
+
+    def __init__(self, tool: _Guarded, arguments: Any, problem: str, **details: Any) -> None:
+        self.arguments, self.problem, self.details = arguments, problem, details
+
+
 def _unknown_tool(table: Mapping[str, _Guarded], name: str, call_id: str | None,
                   agent_id: str | None) -> Outcome:
     offered = sorted(table)
@@ -297,20 +312,21 @@ def _long_digits(text: str | bytes | bytearray) -> bool:
     return _LONG_DIGIT_BYTES.search(text) is not None
 
 
-def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
-    """The model's arguments as keyword arguments that fit the tool, or the refusal saying why not."""
+def _parse(tool: _Guarded, arguments: Any, refuse: Callable[..., Any] = _refuse_arguments) -> Any:
+    """The model's arguments as keyword arguments that fit the tool, or what ``refuse(tool, arguments,
+    problem, **details)`` makes of why not (the refusal itself, by default)."""
     if isinstance(arguments, str | bytes | bytearray):
         try:
             decoded = orjson.loads(arguments)
         except orjson.JSONDecodeError as e:
-            return _refuse_arguments(tool, None, f"are not valid JSON ({e})")
+            return refuse(tool, None, f"are not valid JSON ({e})")
         if _long_digits(arguments):
             # orjson reads an integer beyond 64 bits as a rounded float; the standard library keeps
             # it exact, so the tool gets what the model sent and the guard refuses to key it.
             decoded = json.loads(arguments)
         arguments = decoded
     if not isinstance(arguments, Mapping):
-        return _refuse_arguments(
+        return refuse(
             tool, arguments, f"are not a JSON object of named arguments (got {_json_kind(arguments)})",
         )
     kwargs = dict(arguments)
@@ -319,7 +335,7 @@ def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
     try:
         signature.bind(**kwargs)
     except TypeError as e:
-        return _refuse_arguments(
+        return refuse(
             tool, kwargs, f"do not fit its signature ({e})",
             parameters=[p for p in parameters if parameters[p].kind not in (
                 inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)],
@@ -335,7 +351,7 @@ def _parse(tool: _Guarded, arguments: Any) -> dict[str, Any] | Outcome:
             except Exception as e:
                 errors = getattr(e, "errors", None)
                 why = errors()[0].get("msg", str(e)) if callable(errors) and errors() else str(e)
-                return _refuse_arguments(tool, kwargs, f"do not fit its signature ({name!r}: {why})",
+                return refuse(tool, kwargs, f"do not fit its signature ({name!r}: {why})",
                                          argument=name)
     return kwargs
 
@@ -407,10 +423,14 @@ async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any
     async with _context(call_id, agent_id, metadata) as ctx:
         tool = table.get(name)
         if tool is None:
+            if any(_offloads(store) for store in _stores(table)):
+                return cast(Outcome, await offloaded(_unknown_tool, table, name, call_id, ctx.agent_id))
             return _unknown_tool(table, name, call_id, ctx.agent_id)
-        kwargs = _parse(tool, arguments)
-        if isinstance(kwargs, Outcome):
-            return kwargs
+        kwargs = _parse(tool, arguments, refuse=_Rejection)
+        if isinstance(kwargs, _Rejection):  # journaled off the loop, as the guard's own refusals are
+            eg = tool.airlock.policy.effect_guard
+            refuse = functools.partial(_refuse_arguments, tool, kwargs.arguments, kwargs.problem, **kwargs.details)
+            return cast(Outcome, await offloaded(refuse) if eg is not None and _offloads(eg.store) else refuse())
         try:
             result = tool.fn(**kwargs)
             if inspect.isawaitable(result):
