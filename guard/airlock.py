@@ -23,7 +23,7 @@ from .canonical import (
 )
 from .context import AirlockContext, CallContext, active, enter_call, leave_call
 from .effect_guard import TAGS_LOCK, EffectGuard, decide_attempt, reversibility_of
-from .offload import offloaded
+from .offload import offloaded, offloads
 from .oversight import OversightRequest, OversightResponse, OversightVerdict
 from .policy import SecurityPolicy, required_capabilities
 from .refusal import AirlockBlocked, Refusal, make_refusal
@@ -506,7 +506,7 @@ class Airlock:
             @functools.wraps(fn)
             async def wrapper(*args: Any, **kwargs: Any) -> Any:
                 call = _Call(self, cache[0] if cache else tool(), args, kwargs)
-                off_loop = call.eg is not None and getattr(call.eg.store, "offload_async", False) is True
+                off_loop = call.eg is not None and offloads(call.eg.store)
                 if off_loop:
                     refusal = await offloaded(call.gates_and_begin, droppable=True, after=call.abandoned)
                 else:

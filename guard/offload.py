@@ -17,13 +17,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["WORKERS", "offloaded"]
+__all__ = ["WORKERS", "offloaded", "offloads"]
 
 #: Threads of the pool; each holds one store call at a time (a write waiting for a lock or a server).
 WORKERS = 32
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
+
+
+def offloads(store: Any) -> bool:
+    """Whether ``store`` asks for its work to be made off the event loop (``offload_async = True``)."""
+    return getattr(store, "offload_async", False) is True
 
 
 def _pool() -> ThreadPoolExecutor:

@@ -24,7 +24,7 @@ import orjson
 from ..airlock import Airlock, is_deferred, message_of
 from ..canonical import storable, to_json_value
 from ..context import AirlockContext, get_current_context
-from ..offload import offloaded
+from ..offload import offloaded, offloads
 from ..refusal import AirlockBlocked, Refusal, is_refusal, make_refusal
 from ..store import EffectEvent, EffectStore
 
@@ -251,10 +251,6 @@ def _stores(table: Mapping[str, _Guarded]) -> list[EffectStore]:
     return stores
 
 
-def _offloads(store: EffectStore) -> bool:
-    return getattr(store, "offload_async", False) is True
-
-
 class _Rejection:
     """Arguments that cannot be passed on, and why: the refusal, still to be made."""
 
@@ -423,14 +419,14 @@ async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any
     async with _context(call_id, agent_id, metadata) as ctx:
         tool = table.get(name)
         if tool is None:
-            if any(_offloads(store) for store in _stores(table)):
+            if any(offloads(store) for store in _stores(table)):
                 return cast(Outcome, await offloaded(_unknown_tool, table, name, call_id, ctx.agent_id))
             return _unknown_tool(table, name, call_id, ctx.agent_id)
         kwargs = _parse(tool, arguments, refuse=_Rejection)
         if isinstance(kwargs, _Rejection):  # journaled off the loop, as the guard's own refusals are
             eg = tool.airlock.policy.effect_guard
             refuse = functools.partial(_refuse_arguments, tool, kwargs.arguments, kwargs.problem, **kwargs.details)
-            return cast(Outcome, await offloaded(refuse) if eg is not None and _offloads(eg.store) else refuse())
+            return cast(Outcome, await offloaded(refuse) if eg is not None and offloads(eg.store) else refuse())
         try:
             result = tool.fn(**kwargs)
             if inspect.isawaitable(result):
