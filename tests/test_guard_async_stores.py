@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from guard import Airlock, AirlockContext, SecurityPolicy, offload
 from guard.effect_guard import EffectGuard, InMemoryEffectStore, reversibility
 from guard.store import CallRecord, Decide, Decision, EffectEvent
 from journal import SQLiteJournal
+from journal.testing import write_lock_held
 
 HOLD = 0.6  # seconds another writer keeps the journal locked
 
@@ -35,19 +35,16 @@ def guarded(store: Any, effects: list[str]) -> Any:
 
 
 def hold_sqlite(path: Path, seconds: float) -> Callable[[], threading.Thread]:
-    """A function that starts a thread holding the journal's write lock for ``seconds``, and returns
-    once the lock is held."""
+    """A function that has another process hold the journal's write lock for ``seconds`` (the test
+    kit's ``write_lock_held``, from a thread), and returns once the lock is held."""
 
     def start() -> threading.Thread:
         held = threading.Event()
 
         def run() -> None:
-            conn = sqlite3.connect(path, isolation_level=None)
-            conn.execute("BEGIN IMMEDIATE")
-            held.set()
-            time.sleep(seconds)
-            conn.execute("ROLLBACK")
-            conn.close()
+            with write_lock_held(path):
+                held.set()
+                time.sleep(seconds)
 
         thread = threading.Thread(target=run)
         thread.start()
