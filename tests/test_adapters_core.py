@@ -144,6 +144,39 @@ def test_a_refusal_reaches_the_model_with_its_error_and_fix_hints(on_block: Any)
     assert json.loads(message["content"])["block_reason"] == "policy_violation"
 
 
+@pytest.mark.parametrize("host", ["anthropic", "openai", "anthropic async"])
+def test_a_refusal_the_tool_returns_as_its_value_reads_the_same_on_the_replay(host: str) -> None:
+    # The tool ran and returned what a guarded call nested in it was given: a value, committed.
+    store = InMemoryEffectStore()
+
+    @Airlock(policy=SecurityPolicy(denied_tools=["inner"]))
+    def inner() -> int:
+        return 1
+
+    runs: list[int] = []
+
+    @guarded(store)
+    def outer() -> Any:
+        runs.append(1)
+        return inner()
+
+    def send() -> tuple[str, bool]:
+        if host == "openai":
+            return openai.dispatch(chat("c9", "outer", {}), [outer])["content"], False
+        block = use("toolu_9", "outer", {})
+        result = asyncio.run(anthropic.adispatch(block, [outer])) if "async" in host else \
+            anthropic.dispatch(block, [outer])
+        return result["content"], result["is_error"]
+
+    first, replay = send(), send()
+    assert runs == [1]
+    assert first == replay
+    assert first[1] is False
+    assert json.loads(first[0])["block_reason"] == "policy_violation"
+    call_id = "c9" if host == "openai" else "toolu_9"
+    assert [e.kind for e in store.events(call_id)] == ["pending", "committed", "replayed"]
+
+
 def test_bad_arguments_are_refused_under_on_block_raise_too() -> None:
     store = InMemoryEffectStore()
 

@@ -223,8 +223,21 @@ def _raised(tool: _Guarded, call_id: str | None, exc: Exception) -> Outcome:
     return Outcome(_json_text(error), True, exc)
 
 
-def _finished(tool: _Guarded, result: Any) -> Outcome:
-    if is_refusal(result):
+def _refuses_this_call(tool: _Guarded, call_id: str | None, result: Any) -> bool:
+    """Whether ``result`` is the guard's refusal of this very call, not a value the tool returned
+    that happens to be a :class:`~guard.Refusal` (one a guarded call nested in it was given, say;
+    that one names its own tool, and no tool call id). A value is sent as a value, as its replay is."""
+    if not is_refusal(result):
+        return False
+    meta = result.get("metadata")
+    if not isinstance(meta, Mapping):
+        return True
+    own_id = call_id if isinstance(call_id, str) and call_id else None  # as the context reads it
+    return meta.get("tool") == getattr(tool.guarded, "__name__", None) and meta.get("tool_call_id") == own_id
+
+
+def _finished(tool: _Guarded, call_id: str | None, result: Any) -> Outcome:
+    if _refuses_this_call(tool, call_id, result):
         return _refused(result)
     if is_deferred(result):
         # The guard recorded the call unknown; nothing of it can reach the model as a value.
@@ -405,7 +418,7 @@ def dispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
             return _refused(blocked.refusal)
         except Exception as e:
             return _raised(tool, call_id, e)
-    return _finished(tool, result)
+    return _finished(tool, call_id, result)
 
 
 async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
@@ -435,7 +448,7 @@ async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any
             return _refused(blocked.refusal)
         except Exception as e:
             return _raised(tool, call_id, e)
-    return _finished(tool, result)
+    return _finished(tool, call_id, result)
 
 
 def call_id_of(value: Any, what: str) -> str:

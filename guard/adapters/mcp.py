@@ -117,7 +117,7 @@ async def adispatch(params: Any, tools: Tools, *, agent_id: str | None = None,
     if not isinstance(call_id, str) or not call_id:
         call_id = None
     outcome = await _adispatch(tools, name, call_id, arguments, agent_id=agent_id)
-    if is_refusal(outcome.value) and outcome.value["block_reason"] == "tool_call_id_required":
+    if outcome.is_error and is_refusal(outcome.value) and outcome.value["block_reason"] == "tool_call_id_required":
         # The guard's hint speaks to a host; over MCP the client is the one who can fix it.
         outcome.value["fix_hints"] = [
             f"Send the tools/call with params._meta[{meta_key!r}] set to an id of this call that stays the "
