@@ -63,3 +63,7 @@ class AirlockBlocked(Exception):
         super().__init__(refusal["error"])
         self.refusal = refusal
         self.block_reason: str = refusal["block_reason"]
+
+    def __reduce__(self) -> tuple[type[AirlockBlocked], tuple[Refusal]]:
+        # Made again from its refusal, so it crosses to another process (a process pool, a worker).
+        return (type(self), (self.refusal,))

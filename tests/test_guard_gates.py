@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
+import multiprocessing
 import threading
 from typing import Any
 
@@ -91,6 +93,21 @@ def test_on_block_raise() -> None:
         charge("a")
     assert raised.value.block_reason == "policy_violation"
     assert is_refusal(raised.value.refusal) and raised.value.refusal["block_reason"] == "policy_violation"
+
+
+def test_a_raised_refusal_crosses_to_another_process_whole() -> None:
+    # A process pool, or a test runner's worker, sends the exception back pickled.
+    @Airlock(policy=SecurityPolicy(denied_tools=["charge"]), on_block="raise")
+    def charge(account: str) -> str:
+        return "ok"
+
+    with pytest.raises(AirlockBlocked) as raised:
+        charge("a")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        back = pool.submit(_raise_again, raised.value).exception(timeout=60)
+    assert type(back) is AirlockBlocked and str(back) == str(raised.value)
+    assert back.block_reason == "policy_violation"
+    assert is_refusal(back.refusal) and back.refusal == raised.value.refusal
 
 
 def test_on_block_must_be_return_or_raise() -> None:
@@ -737,3 +754,7 @@ def test_a_fork_while_another_thread_puts_a_tag_on_gives_a_child_that_can_tag_an
     _, status = os.waitpid(pid, 0)
     tagging.join()
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def _raise_again(blocked: AirlockBlocked) -> None:
+    raise blocked
