@@ -92,6 +92,8 @@ def status_text(record: CallRecord | None) -> str:
     if record is None:
         return "-"
     mark = owner_mark(record)
+    if mark is None and record.actor.startswith("operator:"):
+        mark = f"by {record.actor}"  # settled by hand: resolve, not the guard, recorded it
     return f"{record.status} ({mark})" if mark else record.status
 
 

@@ -47,6 +47,8 @@ def test_applied_with_a_value_commits_and_replays_return_it(db: Path) -> None:
     assert orjson.loads(reason) == {"code": "applied", "message": "ledger shows ch_2"}
     assert orjson.loads(value) == {"charge_id": "ch_2"}
     assert rows(db, "SELECT status FROM calls WHERE call_id = 'call-timeout'") == [("committed",)]
+    shown = invoke("journal", "show", "call-timeout", "--db", str(db))
+    assert "committed (by operator:alice)" in shown.stdout
     with SQLiteJournal(db) as journal:
         tools = Tools(journal)
         again = tools.call("call-timeout", tools.charge, account="acct_2", cents=700)
@@ -72,11 +74,15 @@ def test_not_applied_releases_so_the_call_runs_again(db: Path) -> None:
     kind, actor, reason, value, _ = last_event(db)
     assert (kind, actor, value) == ("released", "operator:bob", None)
     assert orjson.loads(reason)["code"] == "not_applied"
+    listed = invoke("journal", "show", "--db", str(db))
+    assert "released (by operator:bob)" in listed.stdout  # settled by hand, and it shows
     with SQLiteJournal(db) as journal:
         tools = Tools(journal)
         again = tools.call("call-timeout", tools.charge, account="acct_2", cents=700)
     assert again == {"charge_id": "ch_1", "cents": 700}
     assert tools.payments.charges == [("acct_2", 700)]
+    row = [line for line in invoke("journal", "show", "--db", str(db)).stdout.splitlines() if "call-timeout" in line]
+    assert "committed" in row[0] and "operator" not in row[0]  # run again by the guard: its own record
 
 
 def test_json_prints_the_appended_event(db: Path) -> None:
