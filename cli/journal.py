@@ -17,7 +17,7 @@ import orjson
 from click.core import ParameterSource
 
 from journal import open_journal
-from journal.chain import verify_lines
+from journal.chain import GAP, verify_lines
 from journal.events import REDACTABLE
 from journal.projection import fold
 
@@ -104,7 +104,9 @@ def show(
         given = [flag for name, flag in filters.items()
                  if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
         if given:
-            raise click.UsageError(f"{', '.join(given)} filter the list of calls; they cannot be combined with CALL_ID")
+            verb, it = ("filter", "they") if len(given) > 1 else ("filters", "it")
+            raise click.UsageError(f"{', '.join(given)} {verb} the list of calls; {it} cannot be combined with "
+                                   "CALL_ID, which shows one call")
         _show_call(call_id, as_json, db)
         return
     with open_journal(db, readonly=True, create=False) as j:
@@ -452,8 +454,12 @@ def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -
             "first_bad_seq": report.first_bad_seq, "problem": report.problem,
         }))
     if not report.ok:  # with --json too: the JSON on stdout, the one line on stderr
+        hint = ""
+        if export_file is not None and (report.problem or "").endswith(GAP):
+            hint = " (an export filtered by --call, --tool, --agent, --since or --until has gaps: add --allow-gaps)"
         if report.first_bad_seq is not None:
-            raise click.ClickException(f"{source} does not verify at seq {report.first_bad_seq}: {report.problem}")
+            raise click.ClickException(
+                f"{source} does not verify at seq {report.first_bad_seq}: {report.problem}{hint}")
         raise click.ClickException(f"{source} does not verify: {report.problem}")
     if as_json:
         return

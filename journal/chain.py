@@ -18,7 +18,7 @@ from guard.canonical import canonical_bytes
 
 from .events import REDACTABLE, JournalEvent, VerifyReport, at_text, text_sha256
 
-__all__ = ["GENESIS", "ChainCheck", "body_bytes", "compute_hash", "event_body", "hash_of", "verify_lines"]
+__all__ = ["GAP", "GENESIS", "ChainCheck", "body_bytes", "compute_hash", "event_body", "hash_of", "verify_lines"]
 
 GENESIS = "0" * 64
 
@@ -81,6 +81,9 @@ def hash_of(event: JournalEvent) -> str:
     ))
 
 
+GAP = "events are missing"  # how a problem of a gap in seq ends
+
+
 class ChainCheck:
     """Checks events one at a time, in ``seq`` order: each hash, each link, no gaps.
 
@@ -115,7 +118,9 @@ class ChainCheck:
             return self.fail(seq, f"seq {seq} does not follow seq {self._last_seq}")
         linked = seq == self._last_seq + 1
         if not linked and not self._allow_gaps:
-            return self.fail(seq, f"seq {seq} follows seq {self._last_seq}: events are missing")
+            if self._last_seq == 0:
+                return self.fail(seq, f"the first event is seq {seq}, not seq 1: {GAP}")
+            return self.fail(seq, f"seq {seq} follows seq {self._last_seq}: {GAP}")
         if linked and prev_hash != self._head:
             return self.fail(seq, f"seq {seq} does not link to the hash of the event before it")
         if stored_hash != expected_hash:

@@ -180,6 +180,7 @@ def test_a_gap_fails_unless_allowed(db: Path, tmp_path: Path) -> None:
     result = invoke("journal", "verify", "--export", str(path))
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: ") and " does not verify at seq 4: " in result.stderr
+    assert "seq 4 follows seq 2: events are missing" in result.stderr and "add --allow-gaps" in result.stderr
     allowed = invoke("journal", "verify", "--export", str(path), "--allow-gaps")
     assert allowed.exit_code == 0 and allowed.stdout.startswith(f"OK: {len(lines)} events")
 
@@ -188,7 +189,13 @@ def test_a_filtered_export_verifies_with_allow_gaps(db: Path, tmp_path: Path) ->
     out = tmp_path / "one.jsonl"
     assert invoke("journal", "export", "--db", str(db), "--call", "call-timeout", "-o", str(out)).exit_code == 0
     assert invoke("journal", "verify", "--export", str(out), "--allow-gaps").exit_code == 0
-    assert invoke("journal", "verify", "--export", str(out)).exit_code == 1
+    refused = invoke("journal", "verify", "--export", str(out))
+    first = orjson.loads(out.read_bytes().splitlines()[0])["seq"]
+    assert first > 1 and refused.exit_code == 1
+    # What went wrong, and what to do: no "seq 0", which no export has.
+    assert f"the first event is seq {first}, not seq 1: events are missing" in refused.stderr
+    assert "filtered by --call" in refused.stderr and "add --allow-gaps" in refused.stderr
+    assert "seq 0" not in refused.stderr
 
 
 def test_a_file_that_is_not_jsonl_is_an_error_with_its_line(db: Path, tmp_path: Path) -> None:

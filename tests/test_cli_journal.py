@@ -26,6 +26,7 @@ def tamper(db: Path, sql: str) -> None:
     conn = sqlite3.connect(db)
     try:
         conn.execute("DROP TRIGGER events_no_update")
+        conn.execute("DROP TRIGGER events_no_delete")
         conn.execute(sql)
         conn.commit()
     finally:
@@ -53,6 +54,14 @@ def test_verify_names_the_first_altered_event(db: Path) -> None:
     assert (result.stderr.startswith("Error: ") and " does not verify at seq 2: " in result.stderr)
     as_json = invoke("journal", "verify", "--json", "--db", str(db))
     assert as_json.exit_code == 1 and orjson.loads(as_json.stdout)["first_bad_seq"] == 2
+
+
+def test_verify_names_events_deleted_from_the_start_of_the_log(db: Path) -> None:
+    tamper(db, "DELETE FROM events WHERE seq = 1")
+    result = invoke("journal", "verify", "--db", str(db))
+    assert result.exit_code == 1
+    assert "does not verify at seq 2: the first event is seq 2, not seq 1: events are missing" in result.stderr
+    assert "--allow-gaps" not in result.stderr  # a journal's own log has no gaps to allow
 
 
 def test_verify_catches_a_projection_that_differs_and_rebuild_repairs_it(db: Path) -> None:

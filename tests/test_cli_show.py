@@ -98,7 +98,9 @@ def test_show_filters(db: Path, args: list[str], expected: list[str]) -> None:
         (["--limit", "0"], "0 is not in the range x>=1"),
         (["--limit", "many"], "'many' is not a valid integer"),
         (["--status", "done"], "'done' is not one of"),
-        (["call-ok", "--status", "unknown"], "cannot be combined with CALL_ID"),
+        (["call-ok", "--status", "unknown"], "--status filters the list of calls; it cannot be combined with CALL_ID"),
+        (["call-ok", "--limit", "3", "--tool", "charge"],
+         "--tool, --limit filter the list of calls; they cannot be combined with CALL_ID"),
     ],
 )
 def test_show_usage_errors_exit_2(db: Path, args: list[str], message: str) -> None:
