@@ -57,6 +57,10 @@ _HINTS: dict[str, tuple[str, ...]] = {
         "strings, numbers, booleans, null, lists and objects (no NaN or infinity, and integers within "
         "64 bits: from -2**63 to 2**64 - 1).",
     ),
+    "arguments_invalid": (  # an adapter's: the model's arguments do not fit the tool's parameters
+        "Call the tool again with a JSON object of arguments that fits its parameters; the error says "
+        "which one did not.",
+    ),
     "effect_status_unknown": (
         "Do not retry this call.",
         "Ask the backend whether the operation with this idempotency key took effect.",

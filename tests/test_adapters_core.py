@@ -187,6 +187,9 @@ def test_bad_arguments_are_refused_under_on_block_raise_too() -> None:
     result = anthropic.dispatch(use("toolu_4", "charge", {"euros": 1}), [charge])
     assert result["is_error"] is True
     assert json.loads(result["content"])["block_reason"] == "arguments_not_canonical"
+    # The hint speaks of what the model got wrong, not of NaN and 64-bit integers.
+    [hint] = json.loads(result["content"])["fix_hints"]
+    assert "fits its parameters" in hint and "NaN" not in hint
     assert [e.kind for e in store.events("toolu_4")] == ["refused"]
 
 
