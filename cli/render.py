@@ -15,6 +15,7 @@ import orjson
 
 from guard.store import CallRecord, current_owner, format_at
 from journal.events import JournalEvent
+from journal.export import one_line_each
 from journal.owner import owner_alive
 
 ELLIPSIS = "…"
@@ -335,10 +336,10 @@ def stats_json(stats: Any) -> dict[str, Any]:
 
 
 def dumps_line(obj: Any) -> bytes:
-    """One JSON Lines line."""
+    """One JSON Lines line (a NEL, U+2028 or U+2029 in it escaped, so that it is one line to every reader)."""
     try:
-        return orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE)
+        return one_line_each(orjson.dumps(obj, option=orjson.OPT_APPEND_NEWLINE))
     except TypeError:
         # Nested deeper than orjson writes (a stored value may come close to its limit, and the line
         # wraps it a level or three more): the standard library writes the same compact JSON.
-        return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        return one_line_each((json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode())

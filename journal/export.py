@@ -16,7 +16,8 @@ import orjson
 from .errors import JournalError
 from .events import REDACTABLE
 
-__all__ = ["CSV_COLUMNS", "check_redact", "csv_cell", "csv_cells", "csv_header", "csv_lines", "jsonl_lines", "row_hash"]
+__all__ = ["CSV_COLUMNS", "check_redact", "csv_cell", "csv_cells", "csv_header", "csv_lines", "jsonl_lines",
+           "one_line_each", "row_hash"]
 
 # The CSV columns, in this order: section 3's fields, each digest of a JSON value beside it.
 CSV_COLUMNS: tuple[str, ...] = (
@@ -30,6 +31,22 @@ _dumps = orjson.dumps
 _Fragment = orjson.Fragment
 _SORTED = orjson.OPT_SORT_KEYS
 _NEWLINE = orjson.OPT_APPEND_NEWLINE
+
+# Characters that may stand raw in a JSON string, but where str.splitlines() (and readers like it)
+# would break a line: NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR. Their UTF-8 forms, and escapes.
+_BREAKS = (("\x85".encode(), b"\\u0085"), ("\u2028".encode(), b"\\u2028"), ("\u2029".encode(), b"\\u2029"))
+
+
+def one_line_each(lines: bytes) -> bytes:
+    """JSON lines (UTF-8) with every NEL, U+2028 and U+2029 written as its ``\\u`` escape, so that a
+    line is a line for every reader, ``splitlines()`` included. The JSON values are the same, and so
+    are the digests (they are of the canonical JSON of the values). A byte sequence of one of these
+    can only be that character in UTF-8, and in JSON it can only stand in a string."""
+    if b"\xc2\x85" not in lines and b"\xe2\x80" not in lines:
+        return lines
+    for raw, escaped in _BREAKS:
+        lines = lines.replace(raw, escaped)
+    return lines
 
 
 def _digest(text: str | None) -> str | None:

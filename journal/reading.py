@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from guard.store import CallRecord
 
 from .events import JournalEvent
-from .export import csv_header, csv_lines, jsonl_lines
+from .export import csv_header, csv_lines, jsonl_lines, one_line_each
 from .rows import event_from_row, operator_event
 
 __all__ = ["LogReads"]
@@ -91,10 +91,10 @@ class LogReads:
         for line in jsonl_lines(rows, redact):
             batch.append(line)
             if len(batch) >= _LINES_A_BATCH:
-                yield b"".join(batch), len(batch)
+                yield one_line_each(b"".join(batch)), len(batch)
                 batch = []
         if batch:
-            yield b"".join(batch), len(batch)
+            yield one_line_each(b"".join(batch)), len(batch)
 
     def export_csv(
         self,

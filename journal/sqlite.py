@@ -40,7 +40,7 @@ from .errors import (
     unstorable,
 )
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
-from .export import check_redact, csv_header, csv_lines, jsonl_lines, row_hash
+from .export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each, row_hash
 from .projection import fold_into, fold_row, record_row
 from .reading import LogReads
 from .rows import event_from_row, json_text, operator_event, record_from_row
@@ -884,7 +884,7 @@ class SQLiteJournal(LogReads):
                 count += len(rows)
                 # Bounded by bytes, not events: an event may hold a megabyte of arguments.
                 if size >= _EXPORT_BYTES:
-                    yield "".join(parts).encode(), count
+                    yield one_line_each("".join(parts).encode()), count
                     parts, size, count = [], 0, 0
         except (sqlite3.Error, JournalError) as e:
             cause = e.__cause__ if isinstance(e, JournalError) else e
@@ -896,7 +896,7 @@ class SQLiteJournal(LogReads):
                 raise
             raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
         if count:
-            yield "".join(parts).encode(), count
+            yield one_line_each("".join(parts).encode()), count
 
     def _snapshot_rows(self, sql: str, params: Any, batch: int) -> Iterator[list[tuple[Any, ...]]]:
         """The rows of ``sql`` (its first column ``seq``; ``params[0]`` the ``seq >`` cursor and its

@@ -12,8 +12,10 @@ from typing import Any
 import orjson
 import pytest
 
+from journal import SQLiteJournal
 from journal.export import CSV_COLUMNS
-from tests.cli_support import count_events, digest, invoke, rows, run_airlock, run_on_terminal, seed
+from journal.postgres import PostgresJournal
+from tests.cli_support import Tools, count_events, digest, invoke, rows, run_airlock, run_on_terminal, seed
 
 SECTION_3_FIELDS = {
     "seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments", "value", "error",
@@ -268,3 +270,39 @@ def test_an_export_with_a_value_that_is_json_null_verifies(tmp_path: Path) -> No
     out.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
     result = invoke("journal", "verify", "--export", str(out))
     assert result.exit_code == 1 and "seq 2" in result.stderr
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_every_json_line_is_one_line_to_splitlines(tmp_path: Path, request: pytest.FixtureRequest,
+                                                   backend: str) -> None:
+    # NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR may stand raw in JSON, but str.splitlines() breaks at them.
+    odd = "acct\x85one\u2028two\u2029three"
+    if backend == "sqlite":
+        db = str(tmp_path / "journal.db")
+        journal: Any = SQLiteJournal(db)
+    else:
+        db = request.getfixturevalue("pg_dsn")
+        journal = PostgresJournal(db)
+    with journal:
+        tools = Tools(journal)
+        tools.call("call-odd", tools.charge, account=odd, cents=5)
+        tools.call("call-odd", tools.charge, account=odd, cents=5)
+    outputs = {
+        "export": invoke("journal", "export", "--db", db),
+        "show": invoke("journal", "show", "--json", "--db", db),
+        "show one": invoke("journal", "show", "call-odd", "--json", "--db", db),
+    }
+    for name, result in outputs.items():
+        assert result.exit_code == 0, (name, result.output)
+        lines = result.stdout.splitlines()
+        assert len(lines) == result.stdout.count("\n"), name
+        assert "\\u2028" in result.stdout and "\u2028" not in result.stdout, name
+    events = [orjson.loads(line) for line in outputs["export"].stdout.splitlines()]
+    assert [e["kind"] for e in events] == ["pending", "committed", "replayed"]
+    assert events[0]["arguments"] == {"account": odd, "cents": 5}  # the same value, only written escaped
+    [call] = [orjson.loads(line) for line in outputs["show"].stdout.splitlines()]
+    assert call["arguments"]["account"] == odd
+    exported_file = tmp_path / "odd.jsonl"
+    exported_file.write_text(outputs["export"].stdout)
+    verified = invoke("journal", "verify", "--export", str(exported_file))
+    assert verified.exit_code == 0, verified.output  # the digests are of the values, unchanged
