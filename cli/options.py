@@ -171,7 +171,20 @@ def journal_target(ctx: click.Context, param: click.Parameter, value: str) -> st
         problem = url_problem(value)
         if problem is not None:
             raise click.BadParameter(f"{describe(value)} is not a PostgreSQL URL: {problem}", ctx, param)
+    elif _KEYWORDS.match(value) and not os.path.lexists(value):
+        # libpq's other form: taken for a file name it would make a SQLite journal of that name, or
+        # say there is none, the password in the message. Named by its keys alone.
+        keys = ", ".join(dict.fromkeys(k.lower() for k in re.findall(r"(\w+)\s*=", value)))
+        raise click.BadParameter(
+            f"is a key=value connection string ({keys}); name a PostgreSQL journal by its URL, "
+            "postgresql://USER@HOST:PORT/DBNAME", ctx, param)
     return value
+
+
+# The start of a libpq key=value connection string: one of its keywords, then '='.
+_KEYWORDS = re.compile(
+    r"^\s*(host|hostaddr|port|dbname|user|password|passfile|service|sslmode|connect_timeout|options|"
+    r"application_name|target_session_attrs)\s*=", re.IGNORECASE)
 
 
 def is_utf8(text: str) -> bool:

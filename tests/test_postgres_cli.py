@@ -140,6 +140,30 @@ def test_copy_prints_a_url_without_its_password(tmp_path: Path, pg_dsn: str) -> 
     assert SECRET not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("command", [["journal", "show", "--db"], ["journal", "stats", "--db"], ["demo", "--db"],
+                                     ["journal", "copy", "--from", "j.db", "--to"]])
+def test_a_key_value_connection_string_is_a_usage_error_that_hides_its_password(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]) -> None:
+    # libpq's other form, pasted into --db: not a file to make a journal of, nor a password to print.
+    monkeypatch.chdir(tmp_path)
+    seed(tmp_path / "j.db")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = invoke(*command, f"host=127.0.0.1 port=5432 dbname=bank user=ops password={SECRET}")
+    assert result.exit_code == 2
+    assert "is a key=value connection string (host, port, dbname, user, password)" in result.stderr
+    assert "postgresql://USER@HOST:PORT/DBNAME" in result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_file_whose_name_looks_like_a_connection_string_is_still_a_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    seed(tmp_path / "user=ops.db")
+    result = invoke("journal", "stats", "--db", "user=ops.db")
+    assert result.exit_code == 0, result.output
+
+
 def test_demo_on_postgresql_prints_its_url_without_the_password(pg_dsn: str) -> None:
     result = invoke("demo", "--db", with_password(pg_dsn))
     assert result.exit_code == 0, result.output
