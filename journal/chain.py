@@ -162,7 +162,7 @@ def _line_digest(line: Mapping[str, Any], field: str, redacted: list[str]) -> st
     if value is None and claimed == _NULL_DIGEST:
         actual = claimed  # the value JSON null (a tool that returned None), not the absence of one
     if actual != claimed:
-        raise ValueError(f"its {field} do not match {field}_sha256")
+        raise ValueError(f"its {field} {'do' if field == 'arguments' else 'does'} not match {field}_sha256")
     return actual
 
 

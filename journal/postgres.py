@@ -483,6 +483,12 @@ class PostgresJournal(LogReads):
             return JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
         if isinstance(e, pg_errors.InsufficientPrivilege):
             return JournalError(f"cannot {doing}: the login may not do it on the journal {self.name} ({message})")
+        if isinstance(e, psycopg.OperationalError) and any(
+            sign in message for sign in ("authentication failed", "no pg_hba.conf entry", "role \"")
+        ):
+            # Reached, and it said no: a wrong password, or a login it does not know or let in here.
+            return JournalError(f"cannot {doing}: the PostgreSQL server of the journal {self.name} "
+                                f"refused the login ({message})")
         if isinstance(e, psycopg.OperationalError | psycopg.InterfaceError):
             return JournalError(f"cannot {doing}: the PostgreSQL server of the journal {self.name} "
                                 f"cannot be reached ({message})")
@@ -1220,7 +1226,7 @@ class PostgresJournal(LogReads):
             return len(folded)
 
         # Not retried: the events are consumed as they are copied.
-        return self._write("copy events into the journal", work, pipeline=False, retry=False)
+        return self._write("copy events", work, pipeline=False, retry=False)
 
     # -- operators ----------------------------------------------------------------------------
 

@@ -173,6 +173,11 @@ def test_a_changed_line_fails_with_its_seq(db: Path, tmp_path: Path) -> None:
     result = invoke("journal", "verify", "--export", str(write_lines(tmp_path / "b.jsonl", lines)))
     assert result.exit_code == 1
     assert result.stderr.startswith("Error: ") and " does not verify at seq 2: " in result.stderr
+    assert "its value does not match value_sha256" in result.stderr
+    lines = exported(db)
+    lines[1]["arguments"] = {"account": "acct_9", "cents": 500}
+    result = invoke("journal", "verify", "--export", str(write_lines(tmp_path / "c.jsonl", lines)))
+    assert result.exit_code == 1 and "its arguments do not match arguments_sha256" in result.stderr
 
 
 def test_a_gap_fails_unless_allowed(db: Path, tmp_path: Path) -> None:

@@ -205,6 +205,14 @@ def test_copy_into_a_database_that_does_not_exist_blames_to(tmp_path: Path, pg_s
     assert "--from" not in line and SECRET not in line
 
 
+def test_a_login_the_server_refuses_is_told_from_a_server_out_of_reach(pg_dsn: str) -> None:
+    stranger = with_password(pg_dsn).replace("postgres:", "nobody_here:", 1)
+    result = invoke("journal", "stats", "--db", stranger)
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1
+    assert "refused the login" in result.stderr and 'role "nobody_here" does not exist' in result.stderr
+    assert "cannot be reached" not in result.stderr and SECRET not in result.stderr
+
+
 def test_copy_from_a_database_that_does_not_exist_blames_from(tmp_path: Path, pg_server: PgServer) -> None:
     result = invoke("journal", "copy", "--from", with_password(pg_server.dsn_for("no_such_db")),
                     "--to", str(tmp_path / "out.db"))
