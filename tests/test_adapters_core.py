@@ -177,6 +177,17 @@ def test_a_refusal_the_tool_returns_as_its_value_reads_the_same_on_the_replay(ho
     assert [e.kind for e in store.events(call_id)] == ["pending", "committed", "replayed"]
 
 
+def test_a_refusal_of_a_tool_renamed_after_decoration_is_still_a_refusal() -> None:
+    @Airlock(policy=SecurityPolicy(denied_tools=["charge"]))
+    def charge(cents: int) -> int:
+        return cents
+
+    charge.__name__ = "pay"  # the host renamed the wrapper; the guard still calls it charge
+    result = anthropic.dispatch(use("toolu_8", "pay", {"cents": 1}), {"pay": charge})
+    assert result["is_error"] is True
+    assert json.loads(result["content"])["block_reason"] == "policy_violation"
+
+
 def test_bad_arguments_are_refused_under_on_block_raise_too() -> None:
     store = InMemoryEffectStore()
 

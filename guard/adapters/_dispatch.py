@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import orjson
 
-from ..airlock import Airlock, is_deferred, message_of
+from ..airlock import Airlock, _tool_of, is_deferred, message_of
 from ..canonical import storable, to_json_value
 from ..context import AirlockContext, get_current_context
 from ..offload import offloaded, offloads
@@ -233,7 +233,8 @@ def _refuses_this_call(tool: _Guarded, call_id: str | None, result: Any) -> bool
     if not isinstance(meta, Mapping):
         return True
     own_id = call_id if isinstance(call_id, str) and call_id else None  # as the context reads it
-    return meta.get("tool") == getattr(tool.guarded, "__name__", None) and meta.get("tool_call_id") == own_id
+    # The name the guard puts in its refusals: the tool's own, whatever the wrapper's __name__ became.
+    return meta.get("tool") == _tool_of(tool.guarded).name and meta.get("tool_call_id") == own_id
 
 
 def _finished(tool: _Guarded, call_id: str | None, result: Any) -> Outcome:
