@@ -16,9 +16,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context, is_refusal
 from guard.effect_guard import EffectGuard
 from journal import SQLiteJournal
+from journal import sqlite as journal_sqlite
 
 CTX = multiprocessing.get_context("fork")
 THREADS = 8
@@ -30,28 +33,37 @@ def call(tool: Any, call_id: str, *args: Any) -> Any:
 
 
 class SyncedUpTo:
-    """Wraps the journal's fsync of its WAL: ``seq`` is the last event an fsync that completed covers."""
+    """Wraps the system call that fsyncs the journal's WAL: ``seq`` is the last event an fsync of
+    that file, completed, covers; ``syncs`` counts them, and ``others`` names any other file synced."""
 
-    def __init__(self, journal: SQLiteJournal) -> None:
+    def __init__(self, journal: SQLiteJournal, monkeypatch: pytest.MonkeyPatch) -> None:
         self.journal = journal
         self.seq = 0
         self.syncs = 0
+        self.others: list[str] = []
         self.lock = threading.Lock()
-        real = journal._sync_wal
+        wal = os.path.realpath(journal._wal_path)
+        real = journal_sqlite._fdatasync
 
-        def sync() -> None:
+        def sync(fd: int) -> None:
+            synced = os.path.realpath(f"/proc/self/fd/{fd}")
             covered = journal.head()[0]  # every event up to here was committed before this fsync began
-            real()
+            real(fd)
             with self.lock:
+                if synced != wal:
+                    self.others.append(synced)
+                    return
                 self.seq = max(self.seq, covered)
                 self.syncs += 1
 
-        journal._sync_wal = sync  # type: ignore[method-assign]
+        monkeypatch.setattr(journal_sqlite, "_fdatasync", sync)
 
 
-def test_eight_threads_at_full_run_every_effect_once_and_only_once_its_pending_is_on_disk(tmp_path: Path) -> None:
+def test_eight_threads_at_full_run_every_effect_once_and_only_once_its_pending_is_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     journal = SQLiteJournal(tmp_path / "j.db", durability="full")
-    synced = SyncedUpTo(journal)
+    synced = SyncedUpTo(journal, monkeypatch)
     effects: Counter[str] = Counter()
     early: list[str] = []
     lock = threading.Lock()
@@ -103,22 +115,23 @@ def test_eight_threads_at_full_run_every_effect_once_and_only_once_its_pending_i
                 is_refusal(outcome) and outcome["block_reason"] == "effect_status_unknown"
             ), outcome
     assert journal.stats().by_status == {"committed": THREADS * distinct + shared}
-    assert synced.syncs <= THREADS * distinct + shared
+    assert 1 <= synced.syncs <= THREADS * distinct + shared
+    assert synced.others == []
     assert journal.verify().ok
     journal.close()
 
 
-def test_threads_calling_at_once_share_an_fsync(tmp_path: Path) -> None:
+def test_threads_calling_at_once_share_an_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     journal = SQLiteJournal(tmp_path / "j.db", durability="full")
     syncs: list[int] = []
-    real = journal._sync_wal
+    real = journal_sqlite._fdatasync
 
-    def slow_sync() -> None:  # a slow disk: whoever commits meanwhile waits for the next fsync
-        syncs.append(1)
+    def slow_sync(fd: int) -> None:  # a slow disk: whoever commits meanwhile waits for the next fsync
+        syncs.append(fd)
         time.sleep(0.25)
-        real()
+        real(fd)
 
-    journal._sync_wal = slow_sync  # type: ignore[method-assign]
+    monkeypatch.setattr(journal_sqlite, "_fdatasync", slow_sync)
     ran: list[str] = []
 
     @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
@@ -127,16 +140,18 @@ def test_threads_calling_at_once_share_an_fsync(tmp_path: Path) -> None:
         return cents
 
     barrier = threading.Barrier(THREADS)
+    results: list[Any] = []
 
     def worker(n: int) -> None:
         barrier.wait()
-        assert call(charge, f"g{n}", f"acct-{n}", n) == n
+        results.append(call(charge, f"g{n}", f"acct-{n}", n))
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(THREADS)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert sorted(results) == list(range(THREADS))
     assert sorted(ran) == sorted(f"acct-{n}" for n in range(THREADS))
     # The first fsync covers the first commit; those made while it ran share the next one (or two, or
     # three, on a machine so loaded that a thread commits a quarter of a second late): never one each.

@@ -3,6 +3,7 @@ rebuild, the busy deadline and sharing one object between threads."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from guard.canonical import canonical_json
 from guard.effect_guard import EffectGuard, idempotency_key
 from guard.store import EffectEvent, current_owner, parse_at
 from journal import CallNotFound, JournalError, NotResolvable, SQLiteJournal, StoreBusy
+from journal import sqlite as journal_sqlite
 
 T0 = parse_at("2026-12-01T05:00:00.000000Z")
 
@@ -526,22 +528,25 @@ def test_one_journal_shared_by_threads(tmp_path: Path) -> None:
 
 class Transactions:
     """The kinds of event each committed transaction inserted, with the synchronous level it ran at,
-    and ``("fsync", ())`` for each fsync of the WAL that the journal makes itself."""
+    and ``("fsync", ())`` for each fsync of the journal's WAL file that the journal makes itself (the
+    system call, seen with the file it was made on)."""
 
-    def __init__(self, journal: SQLiteJournal) -> None:
+    def __init__(self, journal: SQLiteJournal, monkeypatch: pytest.MonkeyPatch) -> None:
         conn = journal._connection()
         self.level = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}[conn.execute("PRAGMA synchronous").fetchone()[0]]
         self.kinds: list[str] = []
         self.committed: list[tuple[str, tuple[str, ...]]] = []
         self.last = ""
         conn.set_trace_callback(self.trace)
-        sync_wal = journal._sync_wal
+        wal = os.path.realpath(journal._wal_path)
+        fdatasync = journal_sqlite._fdatasync
 
-        def recorded_sync() -> None:
-            sync_wal()
-            self.committed.append(("fsync", ()))
+        def recorded_sync(fd: int) -> None:
+            synced = os.path.realpath(f"/proc/self/fd/{fd}")
+            fdatasync(fd)
+            self.committed.append(("fsync", ()) if synced == wal else (f"fsync of {synced}", ()))
 
-        journal._sync_wal = recorded_sync  # type: ignore[method-assign]
+        monkeypatch.setattr(journal_sqlite, "_fdatasync", recorded_sync)
 
     def trace(self, statement: str) -> None:
         text = statement.strip()
@@ -561,9 +566,11 @@ class Transactions:
             self.kinds = []
 
 
-def test_full_durability_fsyncs_only_the_transactions_that_record_pending(tmp_path: Path) -> None:
+def test_full_durability_fsyncs_only_the_transactions_that_record_pending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     journal = SQLiteJournal(tmp_path / "j.db", durability="full")
-    seen = Transactions(journal)
+    seen = Transactions(journal, monkeypatch)
     runs: list[str] = []
     tool = guarded(journal, runs)
     call(tool, "d1", "acct", 1)
@@ -574,19 +581,21 @@ def test_full_durability_fsyncs_only_the_transactions_that_record_pending(tmp_pa
     journal.close()
 
 
-def test_process_durability_never_fsyncs(tmp_path: Path) -> None:
+def test_process_durability_never_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     journal = SQLiteJournal(tmp_path / "j.db", durability="process")
-    seen = Transactions(journal)
+    seen = Transactions(journal, monkeypatch)
     call(guarded(journal, []), "d1", "acct", 1)
     assert [level for level, _ in seen.committed] == ["NORMAL", "NORMAL"]
     journal.close()
 
 
-def test_a_reversible_call_run_again_after_unknown_has_its_pending_fsynced(tmp_path: Path) -> None:
+def test_a_reversible_call_run_again_after_unknown_has_its_pending_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from guard.effect_guard import reversibility
 
     journal = SQLiteJournal(tmp_path / "j.db", durability="full")
-    seen = Transactions(journal)
+    seen = Transactions(journal, monkeypatch)
     attempts: list[int] = []
 
     @reversibility("reversible")
