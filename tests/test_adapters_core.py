@@ -506,6 +506,7 @@ def test_simultaneous_deliveries_of_one_tool_call_run_it_once() -> None:
     for t in threads:
         t.join()
     assert ran == [5]
+    assert len(results) == 4
     contents = sorted(r["content"] for r in results)
     assert contents.count('"charged"') == 1
     assert all(json.loads(c)["block_reason"] == "effect_status_unknown" for c in contents if c != '"charged"')

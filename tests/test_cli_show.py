@@ -242,6 +242,7 @@ def test_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch: pytest.M
 
 def test_show_output_through_a_pipe_has_no_colour(db: Path) -> None:
     result = invoke("journal", "show", "--db", str(db))
+    assert result.exit_code == 0 and "CALL ID" in result.stdout
     assert "\x1b[" not in result.stdout
 
 

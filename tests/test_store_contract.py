@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -474,15 +475,17 @@ def test_outcome_write_failure_keeps_pending_and_returns_value(
 
 
 def test_store_unavailable_fails_closed(store: Any, caplog: pytest.LogCaptureFixture) -> None:
-    class Down:
+    class BeginDown:
+        """The store, but its begin fails as a journal out of reach does; the rest works."""
+
         def begin(self, call_id: str, decide: Any) -> Any:
             raise ConnectionError("journal down")
 
         def append(self, event: Any) -> None:
-            raise ConnectionError("journal down")
+            store.append(event)
 
         def get(self, call_id: str) -> Any:
-            return None
+            return store.get(call_id)
 
     runs: list[int] = []
 
@@ -490,12 +493,14 @@ def test_store_unavailable_fails_closed(store: Any, caplog: pytest.LogCaptureFix
         runs.append(1)
         return "charged"
 
-    tool = guarded(Down(), charge)
+    tool = guarded(BeginDown(), charge)
     with caplog.at_level(logging.ERROR, logger="guard"):
         refusal = call(tool, "s1", "acct")
     assert refusal["block_reason"] == "store_unavailable"
     assert runs == []
     assert any(r.name == "guard" and "s1" in r.getMessage() for r in caplog.records)
+    # Logged, not recorded: nothing of it reached the store, which has no record of the call either.
+    assert kinds(store) == [] and store.get("s1") is None
 
 
 def test_sixteen_threads_one_id_run_once(store: Any, backend: Backend) -> None:
@@ -525,6 +530,62 @@ def test_sixteen_threads_one_id_run_once(store: Any, backend: Backend) -> None:
         t.join()
     assert backend.effects == [("acct", 5)]
     assert len(results) == 16
+    for r in results:
+        assert r == "ok" or (is_refusal(r) and r["block_reason"] == "effect_status_unknown"), r
+    assert kinds(store, "race").count("pending") == 1
+
+
+class PausingInDecision:
+    """Passes every call to ``store``, but the first ``begin`` pauses while its decision is made (in
+    the store's atomic step, after it read the call's record), and the other begins are let in only
+    once it is there: so they come exactly in the window a begin that is not atomic would leave open.
+    Threads alone seldom meet there, the window being microseconds long."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.deciding = threading.Event()
+        self.first = True
+        self.lock = threading.Lock()
+
+    def begin(self, call_id: str, decide: Callable[[Any], Any]) -> Any:
+        with self.lock:
+            first, self.first = self.first, False
+        if not first:
+            assert self.deciding.wait(10)
+            return self.store.begin(call_id, decide)
+
+        def pausing(record: Any) -> Any:
+            self.deciding.set()
+            time.sleep(0.2)  # the others' begins arrive meanwhile
+            return decide(record)
+
+        return self.store.begin(call_id, pausing)
+
+    def append(self, event: Any) -> None:
+        self.store.append(event)
+
+    def get(self, call_id: str) -> Any:
+        return self.store.get(call_id)
+
+
+def test_begins_that_arrive_while_another_decides_wait_for_it_and_run_nothing(store: Any, backend: Backend) -> None:
+    def charge(account: str, cents: int) -> str:
+        backend.effect(account, cents)
+        return "ok"
+
+    tool = guarded(PausingInDecision(store), charge)
+    results: list[Any] = []
+
+    def worker() -> None:
+        results.append(call(tool, "race", "acct", 5))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert backend.effects == [("acct", 5)]
+    assert len(results) == 4 and "ok" in results
     for r in results:
         assert r == "ok" or (is_refusal(r) and r["block_reason"] == "effect_status_unknown"), r
     assert kinds(store, "race").count("pending") == 1
