@@ -345,6 +345,8 @@ def median_us(samples: list[int]) -> float:
 
 
 def p99_us(samples: list[int]) -> float:
+    if len(samples) < 2:  # statistics.quantiles needs two; the 99th percentile of one is that one
+        return median_us(samples)
     return statistics.quantiles(samples, n=100, method="inclusive")[98] / 1000
 
 
@@ -467,6 +469,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8, help="threads for the durable throughput")
     parser.add_argument("--throughput-calls", type=int, default=96, help="fresh calls a round, for throughput")
     options = parser.parse_args()
+    for flag in ("rounds", "calls", "sync_calls", "threads", "throughput_calls"):
+        if getattr(options, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be 1 or more")
+    if options.warmup < 0:
+        parser.error("--warmup must be 0 or more")
     if not options.dir.is_dir():
         raise SystemExit(f"compare.py: --dir {options.dir} is not a directory")
     kind, device = filesystem(options.dir)
