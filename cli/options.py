@@ -235,8 +235,11 @@ def url_problem(url: str) -> str | None:
         return without_secrets(one_line(str(e)), url)  # libpq's message may quote the password
     port = str(params.get("port", ""))
     # A list of ports for a list of hosts; an empty entry is the default port.
-    if not all(p.strip().isdigit() for p in port.split(",") if p.strip()):
+    ports = [p.strip() for p in port.split(",") if p.strip()]
+    if not all(p.isdigit() for p in ports):
         return f"the port {port!r} is not a number"
+    if not all(1 <= int(p) <= 65535 for p in ports):
+        return f"the port {port!r} is not one from 1 to 65535"
     return None
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -225,6 +226,11 @@ _CALL_APPEND_FN = (
     "%s::boolean, "
     f"%s::bytea, %s::bytea, {_casts(_EVENT_FIELDS)}, %s::boolean, {_casts(_CALL_FIELDS)})"
 )
+
+
+# libpq's words for a connection string value it will not take: a port that is no number or out of
+# range, an sslmode (or another setting with named values) that is none of them.
+_BAD_SETTING = re.compile(r'invalid (integer value "[^"]*" for connection option|port number:|[\w ]+ value: ")')
 
 
 def _describe(dsn: str) -> str:
@@ -489,6 +495,10 @@ class PostgresJournal(LogReads):
             # Reached, and it said no: a wrong password, or a login it does not know or let in here.
             return JournalError(f"cannot {doing}: the PostgreSQL server of the journal {self.name} "
                                 f"refused the login ({message})")
+        if isinstance(e, psycopg.OperationalError) and _BAD_SETTING.search(message):
+            # libpq refused a value of the connection string before trying any server.
+            return JournalError(f"cannot {doing}: the connection string of the journal {self.name} has a value "
+                                f"libpq does not take ({message})")
         if isinstance(e, psycopg.OperationalError | psycopg.InterfaceError):
             return JournalError(f"cannot {doing}: the PostgreSQL server of the journal {self.name} "
                                 f"cannot be reached ({message})")

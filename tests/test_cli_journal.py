@@ -246,6 +246,8 @@ def test_a_command_that_writes_does_not_make_a_journal_of_an_empty_file(tmp_path
         ("postgresql://bad host/x", 'unexpected spaces found in "bad host"'),
         ("postgresql://127.0.0.1/x?foo=bar", 'invalid URI query parameter: "foo"'),
         ("postgresql://airlock:s3cret@db:notaport/x", "the port 'notaport' is not a number"),
+        ("postgresql://airlock:s3cret@db:99999/x", "the port '99999' is not one from 1 to 65535"),
+        ("postgresql://airlock:s3cret@db:5432,db2:0/x", "the port '5432,0' is not one from 1 to 65535"),
         # libpq quotes the bad part, the password included: it is blanked as written and decoded.
         ("postgresql://airlock:s3cret%zz@db/x", 'invalid percent-encoded token: "***"'),
         ("postgresql://airlock:s3cret@[db/x", 'in URI: "postgresql://airlock:***@[db/x"'),
@@ -258,6 +260,14 @@ def test_a_malformed_postgresql_url_is_a_usage_error_on_one_line(url: str, probl
     error = result.stderr.splitlines()[-1]
     assert error.startswith("Error: Invalid value for '--db'") and problem in error
     assert "s3cret" not in result.stderr  # the password is never printed
+
+
+def test_a_connection_string_value_libpq_refuses_is_told_from_a_server_out_of_reach() -> None:
+    result = run_airlock("journal", "stats", "--db", "postgresql://airlock:s3cret@127.0.0.1:1/j?sslmode=sometimes")
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line == ("Error: cannot open the journal: the connection string of the journal postgresql://127.0.0.1:1/j "
+                    'has a value libpq does not take (connection is bad: invalid sslmode value: "sometimes")')
 
 
 def test_a_server_that_cannot_be_reached_is_one_error_line() -> None:

@@ -288,10 +288,16 @@ def test_readonly_reads_and_refuses_every_write(pg_dsn: str) -> None:
     assert snapshot(pg_dsn) == before
 
 
-@pytest.mark.parametrize("dsn", ["postgresql://[broken", "host=127.0.0.1 port=notaport"])
-def test_a_malformed_dsn_is_a_clear_error(dsn: str) -> None:
-    with pytest.raises(JournalError):
+@pytest.mark.parametrize(("dsn", "problem"), [
+    ("postgresql://[broken", "not a PostgreSQL connection string (end of string reached"),
+    ("host=127.0.0.1 port=notaport", 'libpq does not take (connection is bad: invalid integer value "notaport"'),
+    ("postgresql://127.0.0.1:99999/x", 'a value libpq does not take (connection is bad: invalid port number: "99999")'),
+    ("postgresql://127.0.0.1:1/x?target_session_attrs=any-but-this", "invalid target_session_attrs value"),
+])
+def test_a_malformed_dsn_is_a_clear_error(dsn: str, problem: str) -> None:
+    with pytest.raises(JournalError) as info:
         PostgresJournal(dsn)
+    assert problem in str(info.value) and "cannot be reached" not in str(info.value)
 
 
 @pytest.mark.parametrize("options", [{"pool_size": 0}, {"busy_timeout": 0}, {"connect_timeout": -1}])

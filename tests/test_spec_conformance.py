@@ -738,7 +738,6 @@ def test_target_args_required(value: Any) -> None:
 
 
 def test_target_args_and_irreversible_approval_apply_to_irreversible_only() -> None:
-    calls: list[OversightRequest] = []
     airlock = guard_for(InMemoryEffectStore(), eg={"target_args": ("account",),
                                                    "require_approval_for_irreversible": True})
     for tag in ("reversible", "costly"):
@@ -746,9 +745,11 @@ def test_target_args_and_irreversible_approval_apply_to_irreversible_only() -> N
         fn = make_pay(airlock, runs, tag=tag, name=f"f_{tag}")
         with ctx(f"t-{tag}"):
             assert fn(None) == {"charged": 100, "account": None}, tag
-    assert calls == []
+        assert len(runs) == 1, tag
     runs2: list[Any] = []
     irreversible = make_pay(airlock, runs2, tag="irreversible", name="f_irr")
+    with ctx("t-irr-none"):
+        assert irreversible(None)["block_reason"] == "target_args_required"
     with ctx("t-irr"):
         assert irreversible("acct")["block_reason"] == "escalation_required"
     assert runs2 == []
@@ -1935,8 +1936,7 @@ def test_verify_cli_ok_prints_count_and_head(journal: Any, db: Path) -> None:
     events = db_events(db)
     result = run_cli("journal", "verify", "--db", str(db))
     assert result.exit_code == 0, result.output
-    assert str(len(events)) in result.stdout
-    assert events[-1]["hash"] in result.stdout
+    assert result.stdout == f"OK: {len(events)} events, head {events[-1]['hash']}\n"
 
 
 def test_rebuild_cli(journal: Any, db: Path) -> None:
@@ -2779,7 +2779,7 @@ def test_requires_read_through_other_wrappers() -> None:
         assert fn("a")["block_reason"] == "capability_denied"
 
 
-@pytest.mark.parametrize("response", ["none", "dict", "string_verdict"])
+@pytest.mark.parametrize("response", ["none", "dict", "string_verdict", "deny"])
 def test_only_a_real_grant_lets_the_call_through(response: str) -> None:
     runs: list[Any] = []
 
@@ -2788,6 +2788,8 @@ def test_only_a_real_grant_lets_the_call_through(response: str) -> None:
             return None
         if response == "dict":
             return {"request_id": request.request_id, "verdict": "grant"}
+        if response == "string_verdict":  # the word, not OversightVerdict.GRANT
+            return OversightResponse(request_id=request.request_id, verdict="grant", approver="x")  # type: ignore[arg-type]
         return OversightResponse(request_id=request.request_id, verdict=OversightVerdict.DENY, approver="x")
 
     pay = make_pay(guard_for(InMemoryEffectStore(), escalate_tools={"pay": "r"}, approver=approve), runs)
@@ -3299,7 +3301,7 @@ def test_processes_with_many_ids_keep_the_log_gapless(tmp_path: Path) -> None:
     assert len({e["owner"]["pid"] for e in events}) == 3
     result = run_cli("journal", "verify", "--db", str(db))
     assert result.exit_code == 0, result.output
-    assert "90" in result.stdout
+    assert result.stdout.startswith("OK: 90 events, head ")
 
 
 def test_show_table_shows_event_times_as_iso(journal: Any, db: Path) -> None:
