@@ -17,6 +17,8 @@ from journal import JournalError
 from journal.postgres import PostgresJournal
 from tests.pgserver import PgServer
 
+pytestmark = pytest.mark.postgres
+
 
 class CuttingProxy:
     """A TCP relay to the server whose client sides can be reset (as a NAT or a load balancer
