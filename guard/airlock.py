@@ -106,10 +106,11 @@ _PLAIN = frozenset({dict, list, str, int, float, bool, type(None), tuple, bytes}
 class _Tool:
     """What the pipeline knows of one decorated function, read at its first call."""
 
-    __slots__ = ("binder", "capabilities", "irreversible", "key_prefix", "name", "reversible")
+    __slots__ = ("binder", "capabilities", "irreversible", "key_prefix", "name", "recorded_name", "reversible")
 
     def __init__(self, fn: Callable[..., Any], wrapper: Callable[..., Any]) -> None:
         self.name: str = fn.__name__
+        self.recorded_name = storable(self.name)  # as every store can keep it (a lone surrogate escaped)
         self.key_prefix = key_prefix(self.name)
         self.binder = Binder(fn)
         tag = reversibility_of(wrapper)
@@ -167,7 +168,7 @@ class _Call:
             self.record(
                 EffectEvent(
                     # The ids may come from the model: a lone surrogate in one would make the event unstorable.
-                    kind="refused", call_id=storable(self.tool_call_id), tool=storable(self.tool.name),
+                    kind="refused", call_id=storable(self.tool_call_id), tool=self.tool.recorded_name,
                     agent_id=storable(self.agent_id), idempotency_key=self.key, arguments=self.arguments,
                     reason={"code": code, "message": storable(error)}, attempt=self.attempt,
                 )
@@ -353,7 +354,7 @@ class _Call:
         # The ids may come from the model: one with a lone surrogate is recorded as its backslash
         # escape, which every store can keep, as a refusal's is.
         return decide_attempt(
-            record, storable(self.tool_call_id), tool.name, self.key, self.arguments, storable(self.agent_id),
+            record, storable(self.tool_call_id), tool.recorded_name, self.key, self.arguments, storable(self.agent_id),
             tool.reversible, self.approval,
         )
 
@@ -371,7 +372,7 @@ class _Call:
     def outcome(self, kind: str, value: str | None = None, error: dict[str, str] | None = None,
                 reason: dict[str, str] | None = None) -> None:
         self.record(EffectEvent(
-            kind, storable(self.tool_call_id), self.tool.name, utc_now(), storable(self.agent_id), self.key,
+            kind, storable(self.tool_call_id), self.tool.recorded_name, utc_now(), storable(self.agent_id), self.key,
             self.arguments, value, error, reason, GUARD_ACTOR, self.attempt, current_owner(),
         ))
 

@@ -63,18 +63,51 @@ def _has_nonfinite(obj: Any) -> bool:
     return False
 
 
+def _str_keys(obj: Any) -> Any:
+    """``obj`` with every key that is a ``str`` of a subclass (a ``StrEnum`` member, say) as the
+    plain string it is, as orjson writes such a value; dataclasses and models as their fields.
+    Other keys are left for orjson to refuse. Two keys that become one string raise NotCanonical."""
+    if isinstance(obj, dict):
+        out: dict[Any, Any] = {}
+        for k, v in obj.items():
+            key = str.__str__(k) if isinstance(k, str) else k
+            if key in out:
+                raise NotCanonical(f"two keys of one object are the string {key!r}")
+            out[key] = _str_keys(v)
+        return out
+    if isinstance(obj, list | tuple):
+        return [_str_keys(v) for v in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _str_keys(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if callable(getattr(obj, "model_dump", None)) and not isinstance(obj, type):
+        return _str_keys(obj.model_dump(mode="json"))
+    return obj
+
+
 def canonical_bytes(obj: Any) -> bytes:
     """The canonical JSON bytes of ``obj``, or :class:`NotCanonical`."""
     try:
         # Plain JSON types need no ``default``, and orjson is faster without one.
         out = orjson.dumps(obj, option=_OPTIONS)
-    except orjson.JSONEncodeError:
+    except orjson.JSONEncodeError as first:
         try:
-            out = orjson.dumps(obj, default=_default, option=_OPTIONS)
+            if "Dict key must be str" in str(first):
+                out = orjson.dumps(_str_keys(obj), default=_default, option=_OPTIONS)
+            else:
+                out = orjson.dumps(obj, default=_default, option=_OPTIONS)
+        except NotCanonical:
+            raise
         except (TypeError, orjson.JSONEncodeError) as e:
             raise NotCanonical(str(e)) from e
-    if b"null" in out and _has_nonfinite(obj):
-        raise NotCanonical("NaN and infinities have no JSON form")
+        except Exception as e:  # a model's own dump failing, or nesting too deep to walk
+            raise NotCanonical(f"{type(e).__name__} while making its JSON form: {e}") from e
+    if b"null" in out:
+        try:
+            nonfinite = _has_nonfinite(obj)
+        except Exception as e:  # a model whose dump in Python mode fails: no form can be trusted
+            raise NotCanonical(f"{type(e).__name__} while checking its JSON form: {e}") from e
+        if nonfinite:
+            raise NotCanonical("NaN and infinities have no JSON form")
     return out
 
 
@@ -113,7 +146,7 @@ def storable(text: str | None) -> str | None:
 
 def key_prefix(tool: str) -> bytes:
     """The bytes the key of every call to ``tool`` starts with: its name and a NUL."""
-    return tool.encode() + b"\x00"
+    return storable(tool).encode() + b"\x00"  # a lone surrogate as its escape, as the journal records it
 
 
 def key_from_canonical(tool: str | bytes, arguments_json: bytes) -> str:

@@ -15,7 +15,7 @@ import pytest
 import guard.airlock
 from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.canonical import NotCanonical, canonical_json
-from guard.effect_guard import EffectGuard, InMemoryEffectStore
+from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key
 from guard.store import format_at, parse_at
 
 # -- times ------------------------------------------------------------------------------------
@@ -127,29 +127,6 @@ def test_an_exception_whose_str_fails_reaches_the_caller_and_is_recorded(
     assert record.error == {"type": error.__name__, "message": f"<unprintable {error.__name__}>"}
 
 
-class Flaky:
-    """A value whose model_dump works for JSON and then fails: storing it raises."""
-
-    def model_dump(self, mode: str = "python") -> dict[str, Any]:
-        if mode == "json":
-            return {"balance": None}
-        raise RuntimeError("the connection behind this value is closed")
-
-
-def test_a_value_that_cannot_be_recorded_still_reaches_the_caller(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    store = InMemoryEffectStore()
-    value = Flaky()
-
-    tool = guarded(store, lambda cents: value)
-    with caplog.at_level(logging.ERROR, logger="guard"):
-        assert call(tool, "v1", 5) is value
-    assert "could not record committed" in caplog.text and "connection behind this value" in caplog.text
-    assert store.get("v1").status == "pending"  # so a retry is refused, never run again
-    assert call(tool, "v1", 5)["block_reason"] == "effect_status_unknown"
-
-
 # -- text with a lone surrogate --------------------------------------------------------------
 
 # A file name that is not UTF-8, as os.fsdecode() gives it on Linux: 'report-\udcff.pdf'.
@@ -244,3 +221,96 @@ def test_a_journal_given_an_id_with_a_lone_surrogate_raises_its_own_error(store:
         store.append(EffectEvent("refused", "c", "pay", agent_id=odd, reason={"code": "c", "message": "m"}))
     assert store.get(odd) is None and store.head()[0] == 0
     assert store.verify().ok
+
+
+def test_a_tool_whose_name_has_a_lone_surrogate_runs_once_on_every_store(store: Any) -> None:
+    # A name given by setattr (or made up by a host): recorded, and keyed, as its backslash escape.
+    runs: list[int] = []
+
+    def tool(cents: int) -> int:
+        runs.append(cents)
+        return cents
+
+    tool.__name__ = "pay" + NAME[-5]
+    guarded_tool = guarded(store, tool)
+    assert [call(guarded_tool, "s1", 5), call(guarded_tool, "s1", 5)] == [5, 5]  # run, then replayed
+    assert runs == [5]
+    record = store.get("s1")
+    assert (record.status, record.tool) == ("committed", "pay\\udcff")
+    assert record.idempotency_key == idempotency_key("pay\\udcff", {"cents": 5})
+    assert idempotency_key("pay" + NAME[-5], {"cents": 5}) == record.idempotency_key
+
+
+# -- keys that are strings of a subclass -------------------------------------------------------
+
+
+class Currency(enum.StrEnum):
+    EUR = "EUR"
+    USD = "USD"
+
+
+def test_str_enum_keys_are_keyed_as_the_strings_they_are() -> None:
+    assert canonical_json({Currency.USD: 2, Currency.EUR: [{Currency.EUR: 1}]}) == '{"EUR":[{"EUR":1}],"USD":2}'
+    assert idempotency_key("quote", {"prices": {Currency.EUR: 1}}) == idempotency_key("quote", {"prices": {"EUR": 1}})
+
+
+def test_two_keys_that_are_one_string_have_no_json_form() -> None:
+    class Tag(str):
+        __hash__ = object.__hash__
+
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+    with pytest.raises(NotCanonical, match="two keys of one object are the string 'a'"):
+        canonical_json({Tag("a"): 1, "a": 2})
+    with pytest.raises(NotCanonical):
+        canonical_json({1: "an int key is still refused", Currency.EUR: 2})
+
+
+def test_a_value_keyed_by_a_str_enum_is_replayed_on_every_store(store: Any) -> None:
+    runs: list[str] = []
+
+    def quote(prices: dict[Currency, int]) -> dict[Currency, Any]:
+        runs.append("quote")
+        return {Currency.EUR: 1, Currency.USD: [Currency.EUR]}
+
+    tool = guarded(store, quote)
+    first = call(tool, "q1", {Currency.EUR: 1})
+    assert first == {Currency.EUR: 1, Currency.USD: [Currency.EUR]}
+    replay = call(tool, "q1", {"EUR": 1})  # the same arguments, spelled as a model sends them
+    assert replay == {"EUR": 1, "USD": ["EUR"]} and all(type(k) is str for k in replay)
+    assert runs == ["quote"]
+
+
+# -- a model whose own dump fails ---------------------------------------------------------------
+
+
+class HalfModel:
+    """Dumps in JSON mode (with a null in it), but fails in Python mode, which the NaN check reads."""
+
+    def model_dump(self, mode: str = "python") -> dict[str, Any]:
+        if mode == "json":
+            return {"v": None}
+        raise RuntimeError("python mode is not supported")
+
+
+def test_a_model_whose_dump_fails_has_no_json_form() -> None:
+    with pytest.raises(NotCanonical, match="RuntimeError"):
+        canonical_json(HalfModel())
+
+
+def test_such_a_model_is_refused_as_an_argument_and_committed_without_a_value(store: Any) -> None:
+    runs: list[int] = []
+
+    def tool(x: Any) -> Any:
+        runs.append(1)
+        return HalfModel()
+
+    guarded_tool = guarded(store, tool)
+    assert call(guarded_tool, "h1", HalfModel())["block_reason"] == "arguments_not_canonical"
+    assert runs == []
+    value = call(guarded_tool, "h2", 1)
+    assert isinstance(value, HalfModel) and runs == [1]  # the first caller gets the tool's value
+    assert store.get("h2").status == "committed"
+    assert call(guarded_tool, "h2", 1)["block_reason"] == "replay_value_unavailable"
+    assert runs == [1]
