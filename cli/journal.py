@@ -211,12 +211,30 @@ def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) ->
     if _levels(parsed) > MOST_VALUE_LEVELS:
         raise too_deep
     try:
-        json.loads(value, parse_int=_int_of_64_bits)
+        json.loads(value, parse_int=_int_of_64_bits, object_pairs_hook=_one_of_each_key)
+    except _DuplicateKey as e:
+        # orjson keeps the last of two equal keys: the value stored would not be the one written.
+        raise click.BadParameter(f"{value!r} has the key {e.key!r} twice in one object; write each key "
+                                 "once", ctx, param) from None
     except ValueError:
         # orjson reads an integer beyond 64 bits as a float: the replay would return another number.
         raise click.BadParameter(f"{value!r} has a number that cannot be stored exactly (integers are "
                                  "limited to 64 bits; send a large number as a string)", ctx, param) from None
     return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _one_of_each_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    made: dict[str, Any] = {}
+    for key, item in pairs:
+        if key in made:
+            raise _DuplicateKey(key)
+        made[key] = item
+    return made
 
 
 def _reason_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -329,6 +347,8 @@ def export(
     \b
         airlock journal export --format csv --tool charge > charges.csv
     """
+    if output == Path("."):  # click makes an empty --output the current directory
+        raise click.BadParameter("is empty: name the file to write the export to", param_hint="'--output' / '-o'")
     redacted = frozenset().union(*redact)  # every --redact given counts: none is dropped
     filters: dict[str, Any] = {"call_id": call_id, "tool": tool, "agent_id": agent_id, "since": since, "until": until}
     journal_file = None if output is None else _journal_file(output, db)

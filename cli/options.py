@@ -118,8 +118,15 @@ def output_failed(error: OSError, what: str = "the output") -> NoReturn:
 
 
 def one_line(message: str) -> str:
-    """``message`` on one line: a server's messages can hold line breaks."""
-    return re.sub(r"\s*\n\s*", " ", message).strip()
+    """``message`` on one line: a server's messages can hold line breaks, and a damaged file's
+    text any control character; those are written as escapes (``\\x0c``)."""
+    message = re.sub(r"\s*\n\s*", " ", message).strip()
+    return _CONTROL.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), message)
+
+
+# What a terminal would act on, or str.splitlines() break a line at: C0 (but the tab), DEL, C1, and
+# the line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def then(error: BaseException, advice: str) -> str:

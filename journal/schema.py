@@ -146,6 +146,7 @@ class FileKind:
     kind: str
     version: int = 0
     why: str = ""
+    damaged: bool = False  # foreign because SQLite found it malformed, or not a database at all
 
 
 def read_kind(conn: sqlite3.Connection) -> FileKind:
@@ -185,12 +186,21 @@ def inspect(path: Path, timeout: float = 5.0) -> FileKind:
         return FileKind("foreign", why="is not a SQLite database")
     if not Path(f"{path}-wal").exists():
         # No WAL beside it: the file holds everything, and reading it as immutable creates no -wal
-        # or -shm beside a file that may be refused. A file that cannot be read so (being written
-        # this very moment, say) is looked at again the ordinary way.
+        # or -shm beside a file that may be refused. A file that cannot be read so is looked at
+        # again the ordinary way if it may have been written meanwhile (a -wal has come, or the file
+        # changed); a damaged file left as it was is refused as it is, with nothing made beside it.
+        before = _looks(path)
         kind = _read(readonly_uri(path) + "&immutable=1", timeout)
         if kind.kind != "foreign" or not kind.why.startswith("cannot be"):
             return kind
+        if kind.damaged and not Path(f"{path}-wal").exists() and _looks(path) == before:
+            return kind
     return _read(readonly_uri(path), timeout)
+
+
+def _looks(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _read(uri: str, timeout: float) -> FileKind:
@@ -201,9 +211,14 @@ def _read(uri: str, timeout: float) -> FileKind:
     try:
         return read_kind(conn)
     except sqlite3.Error as e:
-        if (getattr(e, "sqlite_errorcode", 0) & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+        if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
             raise
-        return FileKind("foreign", why=f"cannot be read as a SQLite database ({e})")
+        return FileKind("foreign", why=f"cannot be read as a SQLite database ({e})",
+                        damaged=code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB))
+    except UnicodeDecodeError:  # the names in its schema are not text: its first pages are damaged
+        return FileKind("foreign", why="cannot be read as a SQLite database (its schema is not UTF-8 text)",
+                        damaged=True)
     finally:
         conn.close()
 

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -189,6 +190,23 @@ def _busy(e: sqlite3.Error) -> bool:
     return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
 
 
+# Python's sqlite3 reading a stored text that is not UTF-8 (bytes of the file overwritten); the
+# message goes on with the damaged bytes, and is cut short when the column is an expression.
+_UNDECODABLE = "Could not decode to UTF-8 column '"
+_COLUMN = re.compile(r"Could not decode to UTF-8 column '(\w+)' with text")
+
+
+def _failure(path: object, e: sqlite3.Error) -> str:
+    """The message of a failure of the journal at ``path``: SQLite's own, except for a stored text
+    that cannot be decoded, whose message would quote the damaged bytes."""
+    if _UNDECODABLE not in str(e):
+        return f"The journal {path} failed: {e}."
+    column = _COLUMN.search(str(e))
+    where = f"the column {column.group(1)!r}" if column else "a column of its events or calls"
+    return (f"The journal {path} holds a text that is not UTF-8 in {where}: the file is damaged; "
+            "restore it from a copy, or read what is left with a tool that takes bytes.")
+
+
 def _plain(obj: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return obj if obj is None or type(obj) is dict else dict(obj)
 
@@ -311,7 +329,7 @@ class SQLiteJournal(LogReads):
         path, file = self.path, self._file
         if self.readonly:
             if not file.exists():
-                raise JournalNotFound(f"There is no journal at {path}.")
+                raise self._not_found()
             kind = self._check(self._inspect(), blank_ok=False)
             if kind.version < schema.READABLE_FROM:
                 raise JournalError(
@@ -326,11 +344,14 @@ class SQLiteJournal(LogReads):
             return conn
         if not file.exists():
             if not self._create:
-                raise JournalNotFound(f"There is no journal at {path}.")
+                raise self._not_found()
             try:
                 os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             except FileExistsError:
-                pass  # another process made it first; it is inspected like any existing file
+                # Another process made it first, and it is inspected like any existing file; or the
+                # name is a link that leads to no file, which no journal can be made behind.
+                if not file.exists():
+                    raise self._not_found() from None
             except OSError as e:
                 raise JournalError(f"Cannot create the journal {path}: {e.strerror}.") from e
         if not os.access(file, os.R_OK | os.W_OK):
@@ -355,6 +376,12 @@ class SQLiteJournal(LogReads):
             conn.close()
             raise
         return conn
+
+    def _not_found(self) -> JournalError:
+        if os.path.islink(self.path):  # there is a name, but it leads to no file
+            return JournalError(f"The journal {self.path} is a symbolic link that leads to no file "
+                                "(its target is gone, or the links go round in a loop).")
+        return JournalNotFound(f"There is no journal at {self.path}.")
 
     def _inspect(self) -> schema.FileKind:
         try:
@@ -442,7 +469,7 @@ class SQLiteJournal(LogReads):
                     f"The journal {self.path} changed while it was read as a read-only archive (nothing can "
                     f"be locked in its directory, so a writer is not seen): read it again ({e})."
                 ) from e
-            raise JournalError(f"The journal {self.path} failed: {e}.") from e
+            raise JournalError(_failure(self.path, e)) from e
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise StoreBusy(

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.cli_support import AIRLOCK, count_events, digest, invoke, run_airlock, seed
+from tests.cli_support import AIRLOCK, count_events, digest, invoke, leave_pending, run_airlock, seed
 
 
 @pytest.fixture
@@ -331,13 +331,67 @@ def test_export_to_a_file_needs_no_stdout(db: Path, tmp_path: Path) -> None:
     assert out.read_bytes().count(b"\n") == count_events(db)
 
 
-def test_export_to_a_file_of_a_journal_named_by_a_symlink_loop_is_the_missing_journal_error(tmp_path: Path) -> None:
+def test_export_to_a_file_of_a_journal_named_by_a_symlink_loop_says_it_is_a_link_to_nothing(tmp_path: Path) -> None:
     loop = tmp_path / "loop.db"
     loop.symlink_to(loop)
     result = invoke("journal", "export", "--db", str(loop), "-o", str(tmp_path / "x.jsonl"))
     assert result.exit_code == 1
     assert last_line(result.stderr) == (
-        f"Error: There is no journal at {loop}. Name the journal with --db or AIRLOCK_JOURNAL.")
+        f"Error: The journal {loop} is a symbolic link that leads to no file (its target is gone, or the links "
+        "go round in a loop).")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop.db"]
+
+
+def test_an_empty_output_is_a_usage_error(db: Path) -> None:
+    before = digest(db)
+    result = invoke("journal", "export", "--db", str(db), "--output", "")
+    assert result.exit_code == 2
+    assert last_line(result.stderr) == (
+        "Error: Invalid value for '--output' / '-o': is empty: name the file to write the export to")
+    assert digest(db) == before
+
+
+def test_a_value_with_a_key_twice_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    seed(path)
+    leave_pending(path, "call-dead")
+    before = digest(path)
+    result = invoke("journal", "resolve", "call-dead", "--db", str(path), "--applied", "--value",
+                    '{"charge_id": "ch_1", "charge_id": "ch_2"}', "--reason", "r")
+    assert result.exit_code == 2
+    assert last_line(result.stderr).endswith("has the key 'charge_id' twice in one object; write each key once")
+    assert digest(path) == before
+
+
+def test_a_text_of_the_file_that_is_not_utf8_is_one_line_naming_the_damage(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    seed(path)
+    conn = sqlite3.connect(path)
+    [(first_hash,)] = conn.execute("SELECT hash FROM events WHERE seq = 1").fetchall()
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    data = bytearray(path.read_bytes())
+    where = data.find(first_hash.encode())
+    data[where + 10: where + 14] = b"\xff\x0c\x1a\xfe"  # bytes overwritten: no UTF-8, and a form feed
+    path.write_bytes(bytes(data))
+    for command in (["verify"], ["export"], ["rebuild"], ["show", "--json"]):
+        result = invoke("journal", *command, "--db", str(path))
+        if command[0] == "show":  # the calls' table holds no hash: it is read as it is
+            assert result.exit_code == 0, result.output
+            continue
+        assert result.exit_code == 1, command
+        [line] = result.stderr.splitlines()
+        assert line.startswith(f"Error: The journal {path} holds a text that is not UTF-8 in "), line
+        assert line.endswith("the file is damaged; restore it from a copy, or read what is left with a tool that "
+                             "takes bytes."), line
+
+
+def test_control_characters_in_an_error_are_written_as_escapes() -> None:
+    from cli.options import one_line
+
+    said = one_line("cannot read \x1b[31mred\x1b[0m:\n  line two\x0cpage\u2028sep\x85 \tend")
+    assert said == "cannot read \\x1b[31mred\\x1b[0m: line two\\x0cpage\\u2028sep\\x85 \tend"
+    assert len(said.splitlines()) == 1
 
 
 def test_export_to_a_symlink_writes_the_file_it_names_and_keeps_the_link(db: Path, tmp_path: Path) -> None:

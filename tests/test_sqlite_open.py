@@ -504,3 +504,52 @@ def test_an_archive_read_sees_a_writer_that_comes_later(tmp_path: Path, monkeypa
         assert len(reader.calls(limit=None)) == 2001
         assert reader.verify().ok
     reader.close()
+
+
+# -- damaged journals: refused as they are, with nothing made beside them ------------------------
+
+
+def test_a_journal_whose_schema_names_are_not_text_is_refused_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    make_journal(path)
+    data = bytearray(path.read_bytes())
+    where = data.find(b"tableeventsevents")  # the events table's row in SQLite's table of tables
+    assert where > 0
+    data[where + 5] = 0xFF  # its name is no longer UTF-8
+    path.write_bytes(bytes(data))
+    before = digest(path)
+    for readonly in (True, False):
+        with pytest.raises(NotAJournal, match=r"cannot be read as a SQLite database \(its schema is not UTF-8"):
+            SQLiteJournal(path, readonly=readonly)
+    assert (digest(path), listing(tmp_path)) == (before, ["j.db"])
+
+
+@pytest.mark.parametrize("keep", [100, 4096, 8192, "half"])
+@pytest.mark.parametrize("readonly", [True, False])
+def test_a_truncated_journal_is_refused_and_gains_no_side_files(tmp_path: Path, keep: int | str,
+                                                                readonly: bool) -> None:
+    path = tmp_path / "j.db"
+    with SQLiteJournal(path, durability="process") as j:
+        for n in range(300):
+            j.append(pending(f"c{n}"))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2 if keep == "half" else keep])  # still a WAL-mode header
+    before = digest(path)
+    with pytest.raises(NotAJournal, match="cannot be read as a SQLite database"):
+        SQLiteJournal(path, readonly=readonly)
+    assert (digest(path), listing(tmp_path)) == (before, ["j.db"])
+
+
+def test_a_journal_named_by_a_link_that_leads_nowhere_is_not_made(tmp_path: Path) -> None:
+    # A link to a journal not made yet, in a directory that is there, is where one is made (see
+    # test_sqlite_robustness); one to a missing directory, or a loop, leads nowhere a journal can be.
+    dangling, loop = tmp_path / "dangling.db", tmp_path / "loop.db"
+    dangling.symlink_to(tmp_path / "gone.db")
+    loop.symlink_to(loop)
+    for link in (dangling, loop):
+        for options in ({"readonly": True}, {"create": False}):
+            with pytest.raises(JournalError, match="is a symbolic link that leads to no file"):
+                SQLiteJournal(link, **options)  # type: ignore[arg-type]
+    with pytest.raises(JournalError, match="is a symbolic link that leads to no file"):
+        SQLiteJournal(loop)
+    assert listing(tmp_path) == ["dangling.db", "loop.db"]
