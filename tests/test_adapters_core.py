@@ -659,3 +659,97 @@ def test_a_tool_with_positional_only_parameters_cannot_be_offered_to_a_model() -
 
     with pytest.raises(TypeError, match=r"positional-only parameters \(factor\)"):
         openai.dispatch(chat("call_p1", "scale", {"by": 2}), [scale])
+
+
+# -- what a model or a host may send that is odd --------------------------------------------------
+
+
+def test_arguments_nested_deeper_than_python_reads_with_a_long_number_are_an_error_result() -> None:
+    # A run of 19 digits makes the adapter read the text again with the standard library (to keep a
+    # big integer exact), which stops near Python's recursion limit where orjson goes on to 1024.
+    store = InMemoryEffectStore()
+    ran: list[str] = []
+
+    @guarded(store)
+    def note(text: str, tags: Any = None) -> str:
+        ran.append(text)
+        return text
+
+    deep = '{"text": "order 1234567890123456789", "tags": ' + "[" * 1000 + "]" * 1000 + "}"
+    chat_reply = openai.dispatch({"id": "call_d", "function": {"name": "note", "arguments": deep}}, [note])
+    block_reply = anthropic.dispatch({"type": "tool_use", "id": "toolu_d", "name": "note", "input": deep}, [note])
+    for reply, call_id in ((json.loads(chat_reply["content"]), "call_d"),
+                           (json.loads(block_reply["content"]), "toolu_d")):
+        assert reply["block_reason"] == "arguments_not_canonical"
+        assert "nest arrays or objects too deeply" in reply["error"]
+        assert [e.kind for e in store.events(call_id)] == ["refused"]
+    assert block_reply["is_error"] is True and ran == []
+
+
+def test_a_nested_call_refused_by_raising_is_an_exception_of_the_tool_not_its_refusal() -> None:
+    store = InMemoryEffectStore()
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)), on_block="raise")
+    def send_email(to: str) -> str:
+        return "sent"
+
+    @guarded(store)
+    def notify(to: str) -> str:
+        return send_email(to)  # no tool call id of its own: refused, by raising AirlockBlocked
+
+    reply = anthropic.dispatch(use("toolu_n", "notify", {"to": "a@example.com"}), [notify])
+    shown = json.loads(reply["content"])
+    assert reply["is_error"] is True
+    assert shown["status"] == "error" and shown["error_type"] == "AirlockBlocked"
+    assert shown["error"].startswith("The tool 'notify' failed with AirlockBlocked: The tool 'send_email' ")
+    assert [e.kind for e in store.events("toolu_n")] == ["pending", "released"]  # notify ran, and raised
+
+    @Airlock(policy=SecurityPolicy(denied_tools=["charge"], effect_guard=EffectGuard(store=store)), on_block="raise")
+    def charge(cents: int) -> int:
+        return cents
+
+    refused = json.loads(openai.dispatch(chat("call_r", "charge", {"cents": 5}), [charge])["content"])
+    assert refused["status"] == "blocked" and refused["block_reason"] == "policy_violation"  # its own refusal
+
+
+def test_an_empty_tool_name_is_an_unknown_tool_and_a_missing_one_a_host_error() -> None:
+    store = InMemoryEffectStore()
+
+    @guarded(store)
+    def charge(cents: int) -> int:
+        return cents
+
+    replies = [
+        json.loads(openai.dispatch({"id": "call_e", "function": {"name": "", "arguments": "{}"}}, [charge])["content"]),
+        json.loads(anthropic.dispatch(use("toolu_e", "", {}), [charge])["content"]),
+    ]
+    for reply in replies:
+        assert reply["block_reason"] == "policy_violation" and reply["metadata"]["violation_type"] == "unknown_tool"
+    assert [e.kind for e in store.events()] == ["refused", "refused"]
+    with pytest.raises(ValueError, match="names no function"):
+        openai.dispatch({"type": "function_call", "call_id": "c", "arguments": "{}"}, [charge])
+    with pytest.raises(TypeError, match="names its tool by a string, not int"):
+        anthropic.dispatch({"type": "tool_use", "id": "toolu_7", "name": 7, "input": {}}, [charge])
+
+
+@pytest.mark.parametrize("item", [
+    {"type": "function_call", "name": "charge", "arguments": "{}"},
+    {"type": "function_call", "call_id": None, "name": "charge", "arguments": "{}"},
+])
+def test_a_responses_item_without_its_call_id_is_a_missing_id(item: dict[str, Any]) -> None:
+    @guarded()
+    def charge(cents: int) -> int:
+        return cents
+
+    with pytest.raises(ValueError, match="the function_call item has no id"):
+        openai.dispatch(item, [charge])
+
+
+@pytest.mark.parametrize("block", [42, "tool_use", [1], None])
+def test_what_is_no_tool_use_block_at_all_is_a_type_error(block: Any) -> None:
+    @guarded()
+    def charge(cents: int) -> int:
+        return cents
+
+    with pytest.raises(TypeError, match="expected a tool_use block"):
+        anthropic.dispatch(block, [charge])

@@ -143,11 +143,15 @@ def test_unknown_tool_and_arguments_that_do_not_fit_are_error_results() -> None:
         async with Client(server) as client:
             unknown = await client.call_tool("restock", {"sku": "D"}, meta={"tool_call_id": "mcp-u"})
             unfit = await client.call_tool("ship", {"sku": "D", "item": 1}, meta={"tool_call_id": "mcp-f"})
+            unnamed = await client.call_tool("", {}, meta={"tool_call_id": "mcp-n"})  # not a protocol error
+            assert unnamed.is_error is True
+            assert json.loads(text(unnamed))["metadata"]["violation_type"] == "unknown_tool"
             return unknown, unfit
 
     unknown, unfit = run(scenario)
     assert unknown.is_error is True
     assert json.loads(text(unknown))["metadata"]["violation_type"] == "unknown_tool"
+    assert [e.kind for e in store.events("mcp-n")] == ["refused"]
     assert unfit.is_error is True
     refusal = json.loads(text(unfit))
     assert refusal["block_reason"] == "arguments_not_canonical"

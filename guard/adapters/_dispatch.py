@@ -237,6 +237,14 @@ def _refuses_this_call(tool: _Guarded, call_id: str | None, result: Any) -> bool
     return meta.get("tool") == _tool_of(tool.guarded).name and meta.get("tool_call_id") == own_id
 
 
+def _blocked(tool: _Guarded, call_id: str | None, blocked: AirlockBlocked) -> Outcome:
+    """The guard's refusal of this call, raised (``on_block="raise"``); or, when the refusal is of
+    another call (a guarded call nested in the tool refused that way), an exception the tool raised."""
+    if _refuses_this_call(tool, call_id, blocked.refusal):
+        return _refused(blocked.refusal)
+    return _raised(tool, call_id, blocked)
+
+
 def _finished(tool: _Guarded, call_id: str | None, result: Any) -> Outcome:
     if _refuses_this_call(tool, call_id, result):
         return _refused(result)
@@ -333,7 +341,10 @@ def _parse(tool: _Guarded, arguments: Any, refuse: Callable[..., Any] = _refuse_
         if _long_digits(arguments):
             # orjson reads an integer beyond 64 bits as a rounded float; the standard library keeps
             # it exact, so the tool gets what the model sent and the guard refuses to key it.
-            decoded = json.loads(arguments)
+            try:
+                decoded = json.loads(arguments)
+            except RecursionError:  # nested deeper than Python's own stack goes: no key could hold it
+                return refuse(tool, None, "nest arrays or objects too deeply to be read")
         arguments = decoded
     if not isinstance(arguments, Mapping):
         return refuse(
@@ -416,7 +427,7 @@ def dispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
         try:
             result = tool.fn(**kwargs)
         except AirlockBlocked as blocked:
-            return _refused(blocked.refusal)
+            return _blocked(tool, call_id, blocked)
         except Exception as e:
             return _raised(tool, call_id, e)
     return _finished(tool, call_id, result)
@@ -446,7 +457,7 @@ async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any
             if inspect.isawaitable(result):
                 result = await result
         except AirlockBlocked as blocked:
-            return _refused(blocked.refusal)
+            return _blocked(tool, call_id, blocked)
         except Exception as e:
             return _raised(tool, call_id, e)
     return _finished(tool, call_id, result)

@@ -6,6 +6,7 @@ itself is never imported.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ._dispatch import Outcome, Tools, call_id_of, field
@@ -19,11 +20,15 @@ def _read(block: Any) -> tuple[str, str, Any]:
     kind = field(block, "type")
     if kind not in (None, "tool_use"):
         raise TypeError(f"expected a tool_use block (id, name, input), not a block of type {kind!r}")
+    if kind is None and not isinstance(block, Mapping) and field(block, "id") is None and field(block, "name") is None:
+        raise TypeError(f"expected a tool_use block (id, name, input), not {type(block).__name__}")
     call_id = call_id_of(field(block, "id"), "tool_use block")
     name = field(block, "name")
-    if not isinstance(name, str) or not name:
+    if name is None:
         raise ValueError(f"the tool_use block {call_id!r} names no tool")
-    return call_id, name, field(block, "input")
+    if not isinstance(name, str):
+        raise TypeError(f"the tool_use block {call_id!r} names its tool by a string, not {type(name).__name__}")
+    return call_id, name, field(block, "input")  # an empty name is the model's: a tool there is not
 
 
 def _reply(call_id: str, outcome: Outcome) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def _read(params: Any) -> tuple[str, Any, Mapping[str, Any]]:
     if field(params, "method") == "tools/call" and inner is not None:
         params = inner  # a whole CallToolRequest
     name = field(params, "name")
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str):  # an empty name is the client's, and a tool there is not
         raise ValueError(f"a tools/call request names its tool: no name in {params!r}")
     meta = params.get("_meta") if isinstance(params, Mapping) else getattr(params, "meta", None)
     arguments = field(params, "arguments")

@@ -25,7 +25,7 @@ def _read(tool_call: Any) -> tuple[_Shape, str, str, Any]:
         shape: _Shape = "chat"
         call_id = call_id_of(field(tool_call, "id"), "tool call")
         name, arguments = field(function, "name"), field(function, "arguments")
-    elif field(tool_call, "call_id") is not None and kind in (None, "function_call"):
+    elif kind == "function_call" or (kind is None and field(tool_call, "call_id") is not None):
         shape = "responses"
         call_id = call_id_of(field(tool_call, "call_id"), "function_call item")
         name, arguments = field(tool_call, "name"), field(tool_call, "arguments")
@@ -35,9 +35,11 @@ def _read(tool_call: Any) -> tuple[_Shape, str, str, Any]:
             "Responses function_call item (call_id, name, arguments), not "
             + (f"a tool call of type {kind!r}" if kind is not None else repr(tool_call))
         )
-    if not isinstance(name, str) or not name:
+    if name is None:
         raise ValueError(f"the tool call {call_id!r} names no function")
-    return shape, call_id, name, arguments
+    if not isinstance(name, str):
+        raise TypeError(f"the tool call {call_id!r} names its function by a string, not {type(name).__name__}")
+    return shape, call_id, name, arguments  # an empty name is the model's: a tool there is not
 
 
 def _reply(shape: _Shape, call_id: str, outcome: Outcome) -> dict[str, Any]:
