@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import stat
 import sys
@@ -20,6 +19,7 @@ from journal import open_journal
 from journal.chain import GAP, verify_lines
 from journal.events import REDACTABLE
 from journal.projection import fold
+from journal.rows import unfaithful_json
 
 from . import render
 from .export import NotJsonLines, read_export, write_events
@@ -174,14 +174,6 @@ def default_operator() -> str:
     return name or f"uid:{os.getuid()}"
 
 
-def _int_of_64_bits(text: str) -> int:
-    """An integer the journal stores exactly (orjson's range), else ValueError."""
-    number = int(text)
-    if not -(2**63) <= number < 2**64:
-        raise ValueError(text)
-    return number
-
-
 # show --json prints a value within its call and the call's events, and orjson writes at most 254 levels.
 MOST_VALUE_LEVELS = 250
 
@@ -210,31 +202,11 @@ def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) ->
         raise click.BadParameter(f"{value!r} is not JSON ({e})", ctx, param) from e
     if _levels(parsed) > MOST_VALUE_LEVELS:
         raise too_deep
-    try:
-        json.loads(value, parse_int=_int_of_64_bits, object_pairs_hook=_one_of_each_key)
-    except _DuplicateKey as e:
-        # orjson keeps the last of two equal keys: the value stored would not be the one written.
-        raise click.BadParameter(f"{value!r} has the key {e.key!r} twice in one object; write each key "
-                                 "once", ctx, param) from None
-    except ValueError:
-        # orjson reads an integer beyond 64 bits as a float: the replay would return another number.
-        raise click.BadParameter(f"{value!r} has a number that cannot be stored exactly (integers are "
-                                 "limited to 64 bits; send a large number as a string)", ctx, param) from None
+    problem = unfaithful_json(value)
+    if problem is not None:  # stored, it would not be the value written
+        advice = "write each key once" if "twice" in problem else "send a large number as a string"
+        raise click.BadParameter(f"{value!r} {problem}; {advice}", ctx, param)
     return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-def _one_of_each_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    made: dict[str, Any] = {}
-    for key, item in pairs:
-        if key in made:
-            raise _DuplicateKey(key)
-        made[key] = item
-    return made
 
 
 def _reason_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -495,6 +495,11 @@ class PostgresJournal(LogReads):
             # Reached, and it said no: a wrong password, or a login it does not know or let in here.
             return JournalError(f"cannot {doing}: the PostgreSQL server of the journal {self.name} "
                                 f"refused the login ({message})")
+        if isinstance(e, pg_errors.ProgramLimitExceeded):
+            # A btree entry holds at most about 2,700 bytes: a call id (or another indexed text) that
+            # long, and that does not compress, cannot be indexed, so it cannot be recorded.
+            return JournalError(f"cannot {doing}: a text of it is longer than the journal {self.name} can "
+                                f"index ({message}); PostgreSQL keeps call ids of up to about 2,700 bytes")
         if isinstance(e, psycopg.OperationalError) and _BAD_SETTING.search(message):
             # libpq refused a value of the connection string before trying any server.
             return JournalError(f"cannot {doing}: the connection string of the journal {self.name} has a value "

@@ -7,6 +7,7 @@ exported ISO-8601 text (so a stored row re-hashes to exactly the hash it carries
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -68,13 +69,57 @@ def _loads(text: str | None) -> Any:
 
 
 def canonical_text(text: str | None, what: str) -> str | None:
-    """JSON ``text`` in its canonical form; ``ValueError`` naming ``what`` when it is not JSON."""
+    """JSON ``text`` in its canonical form; ``ValueError`` naming ``what`` when it is not JSON, or
+    would not be stored as written (see :func:`unfaithful_json`)."""
     if text is None:
         return None
     try:
-        return canonical_bytes(orjson.loads(text)).decode()
-    except (orjson.JSONDecodeError, ValueError) as e:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
         raise ValueError(f"the {what} is not valid JSON: {e}") from e
+    problem = unfaithful_json(text)
+    if problem is not None:
+        raise ValueError(f"the {what} {problem}")
+    try:
+        return canonical_bytes(parsed).decode()
+    except ValueError as e:
+        raise ValueError(f"the {what} is not valid JSON: {e}") from e
+
+
+class _KeyTwice(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _one_of_each_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    made: dict[str, Any] = {}
+    for key, item in pairs:
+        if key in made:
+            raise _KeyTwice(key)
+        made[key] = item
+    return made
+
+
+def _int_of_64_bits(text: str) -> int:
+    number = int(text)
+    if not -(2**63) <= number < 2**64:
+        raise OverflowError(text)
+    return number
+
+
+def unfaithful_json(text: str) -> str | None:
+    """Why the JSON ``text`` (valid JSON) would not be stored as it was written, or None: a key
+    twice in one object (orjson keeps the last), or an integer beyond 64 bits (orjson reads it as a
+    rounded float)."""
+    try:
+        json.loads(text, parse_int=_int_of_64_bits, object_pairs_hook=_one_of_each_key)
+    except _KeyTwice as e:
+        return f"has the key {e.key!r} twice in one object"
+    except OverflowError:
+        return "has a number that cannot be stored exactly (integers are limited to 64 bits)"
+    except (RecursionError, ValueError):
+        return None  # what orjson read, the standard library does not follow: orjson's reading stands
+    return None
 
 
 def record_from_row(row: tuple[Any, ...]) -> CallRecord:

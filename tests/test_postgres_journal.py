@@ -3,6 +3,8 @@ tamper evidence, read-only use and bad input."""
 
 from __future__ import annotations
 
+import random
+import string
 import threading
 from typing import Any
 
@@ -449,6 +451,46 @@ def test_a_nul_character_cannot_be_stored_and_changes_nothing(journal: PostgresJ
     assert journal.head() == head
     run(journal, "c2")  # the journal carries on
     assert journal.verify().ok and journal.head()[0] == 2
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ('{"charge_id": "ch_1", "charge_id": "ch_2"}', "has the key 'charge_id' twice in one object"),
+    ("123456789012345678901234567890", "cannot be stored exactly"),
+])
+def test_resolve_refuses_a_value_that_would_not_be_stored_as_written(
+    journal: PostgresJournal, value: str, problem: str
+) -> None:
+    run(journal, "u1")
+    head = journal.head()
+    with pytest.raises(ValueError, match=problem):
+        journal.resolve("u1", applied=True, value=value, reason="r", operator="ops", force=True)
+    assert journal.head() == head and journal.get("u1").status == "pending"
+
+
+def test_a_call_id_too_long_to_index_is_refused_clearly_and_changes_nothing(journal: PostgresJournal) -> None:
+    from guard import Airlock, AirlockContext, SecurityPolicy
+    from guard.effect_guard import EffectGuard
+
+    ran: list[int] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
+    def charge(cents: int) -> int:
+        ran.append(cents)
+        return cents
+
+    run(journal, "c1")
+    head = journal.head()
+    rng = random.Random(1)  # text that PostgreSQL cannot compress into an index entry
+    long_id = "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(3000))
+    with AirlockContext(metadata={"tool_call_id": long_id}):
+        refusal = charge(5)
+    assert refusal["block_reason"] == "store_unavailable" and ran == []
+    assert "longer than the journal" in refusal["metadata"]["store_error"]
+    assert "cannot be reached" not in refusal["metadata"]["store_error"]
+    assert journal.head() == head
+    with AirlockContext(metadata={"tool_call_id": long_id[:2000]}):  # long, but within the limit
+        assert charge(6) == 6
+    assert ran == [6] and journal.verify().ok
 
 
 def test_a_replay_of_another_call_is_two_statements_and_takes_no_lock(

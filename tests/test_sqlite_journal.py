@@ -247,6 +247,10 @@ def test_resolve_of_an_unknown_id_or_refusals_only(journal: SQLiteJournal) -> No
     ("options", "message"),
     [({"applied": True, "value": "{not json"}, "not valid JSON"),
      ({"applied": True, "value": "NaN"}, "not valid JSON"),
+     # Stored, these would not be the value written: orjson keeps the last key, and rounds the number.
+     ({"applied": True, "value": '{"charge_id": "ch_1", "charge_id": "ch_2"}'},
+      "the value has the key 'charge_id' twice in one object"),
+     ({"applied": True, "value": '{"n": 123456789012345678901234567890}'}, "cannot be stored exactly"),
      ({"applied": False, "value": "1"}, "value can only be given"),
      ({"applied": True, "operator": ""}, "operator")],
 )
