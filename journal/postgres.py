@@ -50,6 +50,7 @@ from .rows import (
     call_row,
     event_from_row,
     event_row,
+    holds,
     operator_event,
     placed,
     projection_problem,
@@ -1001,10 +1002,9 @@ class PostgresJournal(LogReads):
 
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
-        try:
-            rows = self._read("read the call", f"{_CALL_SELECT} WHERE call_id = %s", (call_id,))
-        except UnicodeEncodeError:
-            return None  # an id with no UTF-8 form (a lone surrogate) is never stored
+        if not holds(call_id, nul=False):
+            return None  # an id with no UTF-8 form (a lone surrogate), or with a NUL, is never stored
+        rows = self._read("read the call", f"{_CALL_SELECT} WHERE call_id = %s", (call_id,))
         return self._decoded(record_from_row, rows[0]) if rows else None
 
     def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:
@@ -1033,6 +1033,9 @@ class PostgresJournal(LogReads):
         where, params = [], []
         for column, value in (("status", status), ("tool", tool), ("agent_id", agent_id)):
             if value is not None:
+                if not holds(value, nul=False):  # no call can have it
+                    where.append("false")
+                    continue
                 where.append(f"{column} = %s")
                 params.append(value)
         if since is not None:
@@ -1054,6 +1057,9 @@ class PostgresJournal(LogReads):
         where, params = [], []
         for column, value in (("call_id", call_id), ("tool", tool), ("agent_id", agent_id)):
             if value is not None:
+                if not holds(value, nul=False):  # no event can have it
+                    where.append(" AND false")
+                    continue
                 where.append(f" AND {column} = %s")
                 params.append(value)
         if since is not None:
@@ -1261,6 +1267,10 @@ class PostgresJournal(LogReads):
         """Settle a pending or unknown call: append ``committed`` (``applied``, with ``value``,
         JSON text) or ``released`` by ``operator:NAME``, checking its status in the same
         transaction. Raises :class:`CallNotFound` or :class:`NotResolvable`; changes nothing then."""
+
+        if not holds(call_id, nul=False):  # no call has it: what is wrong with the arguments, else CallNotFound
+            operator_event(call_id, None, applied=applied, reason=reason, operator=operator, value=value,
+                           force=force, journal=self.name)
 
         def work(conn: Conn) -> JournalEvent:
             head, record = self._lock_and_read(conn, call_id)

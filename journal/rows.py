@@ -68,6 +68,18 @@ def _loads(text: str | None) -> Any:
     return None if text is None else orjson.loads(text)
 
 
+def holds(text: str, nul: bool = True) -> bool:
+    """Whether a journal can hold ``text``: it has a UTF-8 form (no lone surrogate) and, where
+    ``nul`` is False (PostgreSQL), no NUL. A filter or an id that cannot be held matches nothing."""
+    if "\x00" in text and not nul:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def canonical_text(text: str | None, what: str) -> str | None:
     """JSON ``text`` in its canonical form; ``ValueError`` naming ``what`` when it is not JSON, or
     would not be stored as written (see :func:`unfaithful_json`)."""

@@ -44,7 +44,7 @@ from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha2
 from .export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each, row_hash
 from .projection import fold_into, fold_row, record_row
 from .reading import LogReads
-from .rows import event_from_row, json_text, operator_event, record_from_row
+from .rows import event_from_row, holds, json_text, operator_event, record_from_row
 
 __all__ = ["SQLiteJournal"]
 
@@ -251,6 +251,9 @@ def _event_filter(
     params: list[Any] = [after_seq]  # params[0] is the keyset cursor of events()
     for column, wanted in (("call_id", call_id), ("tool", tool), ("agent_id", agent_id)):
         if wanted is not None:
+            if not holds(wanted):  # no event can have it
+                clauses.append("0")
+                continue
             clauses.append(f"{column} = ?")
             params.append(wanted)
     if since is not None:
@@ -827,6 +830,9 @@ class SQLiteJournal(LogReads):
         params: list[Any] = []
         for column, wanted in (("status", status), ("tool", tool), ("agent_id", agent_id)):
             if wanted is not None:
+                if not holds(wanted):  # no call can have it
+                    clauses.append("0")
+                    continue
                 clauses.append(f"{column} = ?")
                 params.append(wanted)
         if since is not None:
@@ -1150,6 +1156,10 @@ class SQLiteJournal(LogReads):
         owner process is alive on this host, unless ``force``), ``ValueError`` for a ``value`` that is
         not JSON or given with ``applied=False``. Nothing changes when it raises.
         """
+        if not holds(call_id):  # no call has it: what is wrong with the arguments, else CallNotFound
+            operator_event(call_id, None, applied=applied, reason=reason, operator=operator, value=value,
+                           force=force, journal=str(self.path))
+
         def step(conn: sqlite3.Connection) -> JournalEvent:
             head, record = _head_and_record(conn, call_id)
             event = operator_event(call_id, record, applied=applied, reason=reason, operator=operator,

@@ -314,3 +314,26 @@ def test_such_a_model_is_refused_as_an_argument_and_committed_without_a_value(st
     assert store.get("h2").status == "committed"
     assert call(guarded_tool, "h2", 1)["block_reason"] == "replay_value_unavailable"
     assert runs == [1]
+
+
+# -- ids no store can hold, looked up ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("odd", ["a\x00b", "a" + NAME[-5] + "b"], ids=["nul", "lone-surrogate"])
+def test_looking_up_an_id_no_store_can_hold_finds_nothing_on_every_store(store: Any, odd: str) -> None:
+    from journal import CallNotFound
+
+    assert call(guarded(store, lambda cents: cents), "c1", 5) == 5
+    assert store.get(odd) is None
+    assert list(store.events(call_id=odd)) == []
+    if not hasattr(store, "resolve"):
+        return
+    assert store.calls(agent_id=odd) == [] and store.calls(tool=odd) == []
+    for field in ("call_id", "tool", "agent_id"):
+        assert list(store.events(**{field: odd})) == []
+        assert list(store.export_lines(**{field: odd})) == []
+    with pytest.raises(CallNotFound):
+        store.resolve(odd, applied=False, reason="r", operator="ops")
+    with pytest.raises(ValueError, match="a value can only be given"):  # the arguments' fault comes first
+        store.resolve(odd, applied=False, value="1", reason="r", operator="ops")
+    assert store.verify().ok and len(list(store.events())) == 2
