@@ -189,18 +189,22 @@ def inspect(path: Path, timeout: float = 5.0) -> FileKind:
         # or -shm beside a file that may be refused. A file that cannot be read so is looked at
         # again the ordinary way if it may have been written meanwhile (a -wal has come, or the file
         # changed); a damaged file left as it was is refused as it is, with nothing made beside it.
-        before = _looks(path)
+        before = signature(path)
         kind = _read(readonly_uri(path) + "&immutable=1", timeout)
         if kind.kind != "foreign" or not kind.why.startswith("cannot be"):
             return kind
-        if kind.damaged and not Path(f"{path}-wal").exists() and _looks(path) == before:
+        if kind.damaged and signature(path) == before:
             return kind
     return _read(readonly_uri(path), timeout)
 
 
-def _looks(path: Path) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
+def signature(path: Path) -> tuple[int, int, int, bool]:
+    """What changes when a file is written: its inode, size and mtime, and whether a WAL is beside it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0, 0, False)
+    return (st.st_ino, st.st_size, st.st_mtime_ns, os.path.exists(f"{path}-wal"))
 
 
 def _read(uri: str, timeout: float) -> FileKind:

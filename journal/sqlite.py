@@ -65,15 +65,6 @@ _INHERITED: list[sqlite3.Connection] = []
 _FORKS = [0]  # how many forks this process descends from: a change means the connection was inherited
 
 
-def _signature(file: Path) -> tuple[int, int, int, bool]:
-    """What changes when a file is written: its inode, size and mtime, and whether a WAL is beside it."""
-    try:
-        st = os.stat(file)
-    except OSError:
-        return (0, 0, 0, False)
-    return (st.st_ino, st.st_size, st.st_mtime_ns, os.path.exists(f"{file}-wal"))
-
-
 def _held(lock: threading.RLock) -> int:
     """How many times the calling thread holds ``lock`` (0: not at all)."""
     count: int = cast(Any, lock)._recursion_count()
@@ -341,7 +332,7 @@ class SQLiteJournal(LogReads):
                 )
             uri = schema.reader_uri(file)
             # Read as an archive (immutable): the file as it is now, which a writer must not change.
-            self._archive = _signature(file) if uri.endswith("immutable=1") else None
+            self._archive = schema.signature(file) if uri.endswith("immutable=1") else None
             conn = self._connect(uri, uri=True)
             self._sync = _NORMAL
             return conn
@@ -436,7 +427,7 @@ class SQLiteJournal(LogReads):
                 os.close(self._wal_fd)  # the child's own copy; the parent's stays open
             self._reset_group()
             self._conn = self._open()
-        elif self._archive is not None and _signature(self._file) != self._archive:
+        elif self._archive is not None and schema.signature(self._file) != self._archive:
             # Written since it was opened as an archive: read it again, the ordinary way if it can be.
             with contextlib.suppress(sqlite3.Error):
                 self._conn.close()
@@ -771,10 +762,9 @@ class SQLiteJournal(LogReads):
 
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
-        try:
-            row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
-        except UnicodeEncodeError:
+        if not holds(call_id):
             return None  # an id with no UTF-8 form (a lone surrogate) is never stored
+        row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
         return None if row is None else self._decoded(record_from_row, row)
 
     def _append(
