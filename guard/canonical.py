@@ -98,6 +98,8 @@ def canonical_bytes(obj: Any) -> bytes:
         except NotCanonical:
             raise
         except (TypeError, orjson.JSONEncodeError) as e:
+            if str(e) == "Recursion limit reached":  # orjson writes at most 254 levels of nesting
+                raise NotCanonical("it nests arrays or objects more than 254 levels deep") from e
             raise NotCanonical(str(e)) from e
         except Exception as e:  # a model's own dump failing, or nesting too deep to walk
             raise NotCanonical(f"{type(e).__name__} while making its JSON form: {e}") from e

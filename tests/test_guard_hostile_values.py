@@ -337,3 +337,27 @@ def test_looking_up_an_id_no_store_can_hold_finds_nothing_on_every_store(store: 
     with pytest.raises(ValueError, match="a value can only be given"):  # the arguments' fault comes first
         store.resolve(odd, applied=False, value="1", reason="r", operator="ops")
     assert store.verify().ok and len(list(store.events())) == 2
+
+
+# -- nesting ----------------------------------------------------------------------------------
+
+
+def test_an_argument_nested_past_what_json_is_written_to_is_refused_in_plain_words() -> None:
+    store = InMemoryEffectStore()
+    runs: list[Any] = []
+
+    @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=store)))
+    def tag(tags: Any) -> str:
+        runs.append(tags)
+        return "tagged"
+
+    deepest: Any = []
+    for _ in range(252):
+        deepest = [deepest]  # 254 levels with the argument mapping around it: the most that is written
+    with AirlockContext(metadata={"tool_call_id": "call-deep-ok"}):
+        assert tag(deepest) == "tagged"
+    with AirlockContext(metadata={"tool_call_id": "call-deep"}):
+        refusal = tag([deepest])
+    assert is_refusal(refusal) and refusal["block_reason"] == "arguments_not_canonical"
+    assert "an argument has no JSON form (it nests arrays or objects more than 254 levels deep)" in refusal["error"]
+    assert len(runs) == 1 and [e.kind for e in store.events("call-deep")] == ["refused"]
