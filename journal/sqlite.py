@@ -309,6 +309,7 @@ class SQLiteJournal(LogReads):
         self._reset_group()
         self._closed = False
         self._archive: tuple[int, int, int, bool] | None = None  # the file as a read-only open found it
+        self._tidy: int | None = None  # the inode of a file whose side files a read-only open made
         self._txn = 0  # write transactions begun, numbered
         self._committing = 0  # the one whose COMMIT was sent
         self._committed = 0  # the last one known committed
@@ -333,6 +334,9 @@ class SQLiteJournal(LogReads):
             uri = schema.reader_uri(file)
             # Read as an archive (immutable): the file as it is now, which a writer must not change.
             self._archive = schema.signature(file) if uri.endswith("immutable=1") else None
+            if self._tidy is None:  # the first open: whether reading makes the side files (see close)
+                sides = any(os.path.lexists(f"{file}{side}") for side in ("-wal", "-shm"))
+                self._tidy = None if sides or self._archive is not None else os.stat(file).st_ino
             conn = self._connect(uri, uri=True)
             self._sync = _NORMAL
             return conn
@@ -1174,6 +1178,8 @@ class SQLiteJournal(LogReads):
                 if _FORKS[0] == self._forks:
                     with contextlib.suppress(sqlite3.Error):  # nothing is left to lose on close
                         self._conn.close()
+                    if self._tidy is not None:
+                        self._remove_side_files(self._tidy)
                 else:
                     _INHERITED.append(self._conn)
                 with self._group:
@@ -1182,6 +1188,25 @@ class SQLiteJournal(LogReads):
                     if self._wal_fd is not None:
                         os.close(self._wal_fd)
                         self._wal_fd = None
+
+    def _remove_side_files(self, inode: int) -> None:
+        """Take away the ``-wal`` and ``-shm`` files that reading made beside a journal that had none.
+
+        A read-only connection cannot remove them; one that may write does, when it closes as the
+        file's last connection (SQLite checks that under its locks, and the WAL is empty: nothing is
+        copied into the file). While another process has the journal open, they stay, as it needs
+        them. Where this process may not write the file, they stay too.
+        """
+        file = self._file
+        with contextlib.suppress(OSError, sqlite3.Error):
+            if os.stat(file).st_ino != inode or not os.access(file, os.R_OK | os.W_OK):
+                return
+            conn = sqlite3.connect(str(file), timeout=0, isolation_level=None)
+            try:
+                conn.execute("PRAGMA query_only = 1")
+                conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            finally:
+                conn.close()
 
     def __enter__(self) -> SQLiteJournal:
         return self

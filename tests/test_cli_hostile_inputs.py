@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from journal import SQLiteJournal
 from tests.cli_support import AIRLOCK, count_events, digest, invoke, leave_pending, run_airlock, seed
 
 
@@ -174,7 +175,6 @@ def test_a_tool_value_nested_as_deeply_as_it_can_be_stored_is_shown(tmp_path: Pa
     import orjson
 
     from guard.store import EffectEvent
-    from journal import SQLiteJournal
 
     value: object = 1
     for _ in range(254):  # as deep as orjson writes, so as deep as a tool's value is ever stored
@@ -198,14 +198,15 @@ def test_a_tool_value_nested_as_deeply_as_it_can_be_stored_is_shown(tmp_path: Pa
     ("journal.db-shm", "a file SQLite keeps with the journal"),
 ])
 def test_export_refuses_to_write_over_the_journal(db: Path, name: str, what: str) -> None:
-    invoke("journal", "stats", "--db", str(db))  # a reader leaves the -wal and -shm beside it
-    before = digest(db)
-    output = str(db.with_name(name))
-    result = invoke("journal", "export", "--db", str(db), "-o", output)
-    assert result.exit_code == 2, result.output
-    assert last_line(result.stderr) == (f"Error: Invalid value for '--output' / '-o': {output} is {what} {db}: "
-                                        "write the export to another file")
-    assert digest(db) == before
+    with SQLiteJournal(db):  # open for writing elsewhere: its -wal and -shm are beside it
+        assert db.with_name(name).exists()
+        before = digest(db)
+        output = str(db.with_name(name))
+        result = invoke("journal", "export", "--db", str(db), "-o", output)
+        assert result.exit_code == 2, result.output
+        assert last_line(result.stderr) == (f"Error: Invalid value for '--output' / '-o': {output} is {what} {db}: "
+                                            "write the export to another file")
+        assert digest(db) == before
     assert invoke("journal", "verify", "--db", str(db)).exit_code == 0
 
 

@@ -91,6 +91,25 @@ def test_a_missing_journal_is_an_error_and_is_not_created(tmp_path: Path, comman
     assert list(tmp_path.iterdir()) == []
 
 
+# -- what reading leaves behind --------------------------------------------------------------------
+
+
+def test_the_read_only_commands_leave_a_closed_journal_one_file_as_it_was(db: Path, tmp_path: Path) -> None:
+    # SQLite reads a WAL journal through a -wal and a -shm beside it; a command that only reads
+    # takes them away again, so the directory is as it was, the journal's bytes too.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal.db"]
+    before = db.read_bytes()
+    out = tmp_path.parent / f"{tmp_path.name}-export.jsonl"
+    for args in (["show"], ["show", "--json"], ["show", "call-ok"], ["show", "--status", "unknown"],
+                 ["export"], ["export", "--format", "csv"], ["export", "-o", str(out)], ["verify"],
+                 ["verify", "--json"], ["stats"], ["stats", "--json"]):
+        result = invoke("journal", *args, "--db", str(db))
+        assert result.exit_code == 0, (args, result.output)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["journal.db"], args
+    assert db.read_bytes() == before
+    out.unlink()
+
+
 # -- stats ---------------------------------------------------------------------------------------
 
 

@@ -133,6 +133,58 @@ def test_readonly_open_reads_and_changes_nothing(tmp_path: Path) -> None:
         assert j.head()[0] == 1
 
 
+def test_a_reader_takes_away_the_side_files_reading_made(tmp_path: Path) -> None:
+    # A journal closed cleanly is one file; a read-only open needs a -wal and a -shm to read it, and
+    # on close they go again, with the file as it was.
+    path = tmp_path / "j.db"
+    make_journal(path)
+    assert listing(tmp_path) == ["j.db"]
+    before = digest(path)
+    with SQLiteJournal(path, readonly=True) as j:
+        assert j.verify().ok
+        assert listing(tmp_path) == ["j.db", "j.db-shm", "j.db-wal"]
+    assert listing(tmp_path) == ["j.db"]
+    assert digest(path) == before
+
+
+def test_a_reader_leaves_the_side_files_a_writer_still_needs(tmp_path: Path) -> None:
+    path = tmp_path / "j.db"
+    make_journal(path)
+    reader = SQLiteJournal(path, readonly=True)
+    assert reader.head()[0] == 1
+    with SQLiteJournal(path, durability="process") as writer:
+        writer.append(pending("c2"))
+        reader.close()  # another connection has the file open: its -wal holds the last event
+        assert listing(tmp_path) == ["j.db", "j.db-shm", "j.db-wal"]
+        writer.append(pending("c3"))
+    with SQLiteJournal(path, readonly=True) as j:
+        assert [e.call_id for e in j.events()] == ["c1", "c2", "c3"]
+    assert listing(tmp_path) == ["j.db"]
+
+
+def test_a_reader_of_a_journal_left_with_its_wal_keeps_both_as_they_were(tmp_path: Path) -> None:
+    # A writer killed before it closed leaves its last events in the -wal: a reader reads them there
+    # and neither copies them into the file nor takes the -wal away.
+    path = tmp_path / "j.db"
+    make_journal(path)
+    script = (
+        "import os, sys\n"
+        "from guard.store import EffectEvent\n"
+        "from journal import SQLiteJournal\n"
+        "j = SQLiteJournal(sys.argv[1], durability='process')\n"
+        "j.append(EffectEvent(kind='pending', call_id='c2', tool='charge', attempt=1))\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, timeout=60)
+    wal = tmp_path / "j.db-wal"
+    assert wal.stat().st_size > 0
+    before = (digest(path), digest(wal))
+    with SQLiteJournal(path, readonly=True) as j:
+        assert j.head()[0] == 2
+    assert (digest(path), digest(wal)) == before
+    assert listing(tmp_path) == ["j.db", "j.db-shm", "j.db-wal"]
+
+
 def test_readonly_blank_file_is_not_a_journal(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     path.touch()
