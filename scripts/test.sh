@@ -14,7 +14,10 @@ if ! have_pg && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get install -y -qq postgresql >/dev/null
 fi
 
-python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
-.venv/bin/python -m pytest "$@"
+# PYTHON and VENV choose another interpreter and its own environment, e.g.
+# PYTHON=python3.13 VENV=.venv-3.13 bash scripts/test.sh
+venv="${VENV:-.venv}"
+"${PYTHON:-python3}" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q -e '.[test]'
+"$venv/bin/python" -m pytest "$@"
