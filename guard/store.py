@@ -164,6 +164,9 @@ def apply(record: CallRecord | None, event: EffectEvent, seq: int = 0) -> CallRe
     - ``pending`` starts the attempt it names (a new record at its first attempt).
     - ``committed``, ``unknown`` and ``released`` are outcomes: taken only when their attempt is
       the call's current one, so a late outcome of an older attempt stays in the log alone.
+    - Once an operator has confirmed the effect (``committed`` by ``operator:NAME``), only another
+      ``committed`` is taken: a tool that was still running and then fails cannot make the call
+      one that may run again, nor refuse the replays of a value the operator gave.
     """
     kind = event.kind
     if kind not in TRANSITIONS or event.call_id is None:
@@ -180,6 +183,8 @@ def apply(record: CallRecord | None, event: EffectEvent, seq: int = 0) -> CallRe
             seq,
         )
     if record is None or event.attempt != record.attempt:
+        return record
+    if record.status == "committed" and kind != "committed" and record.actor.startswith("operator:"):
         return record
     return CallRecord(
         record.call_id, record.tool, kind, record.attempt, record.agent_id, record.idempotency_key,

@@ -17,6 +17,7 @@ import pytest
 
 from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard, EffectOutcomeUnknown, reversibility
+from guard.store import EffectEvent
 from tests.stores import store_events
 
 
@@ -328,6 +329,78 @@ def test_pending_not_reversible_is_refused_while_it_runs(store: Any, backend: Ba
     finish.set()
     worker.join()
     assert store.get("p1").status == "committed"
+    assert backend.effects == [("acct", 1)]
+
+
+def _resolved_while_running(store: Any, backend: Backend, call_id: str, operator_kind: str,
+                            late: BaseException | None) -> Any:
+    """A charge that an operator resolves (``operator_kind``) while it still runs, and that then
+    returns, or raises ``late``; returns the tool."""
+    inside = threading.Event()
+    finish = threading.Event()
+
+    def charge(account: str) -> str:
+        backend.effect(account, 1)
+        inside.set()
+        finish.wait(10)
+        if late is not None:
+            raise late
+        return "ch_late"
+
+    tool = guarded(store, charge)
+    worker = threading.Thread(target=_swallow, args=(tool, call_id))
+    worker.start()
+    assert inside.wait(10)
+    record = store.get(call_id)
+    applied = operator_kind == "committed"
+    event = EffectEvent(
+        operator_kind, call_id, record.tool, agent_id=record.agent_id, idempotency_key=record.idempotency_key,
+        arguments=record.arguments, value='"ch_1"' if applied else None, actor="operator:ana", attempt=record.attempt,
+        reason={"code": "applied" if applied else "not_applied", "message": "checked the ledger"},
+    )
+    store.append(event)  # what resolve --force appends
+    finish.set()
+    worker.join()
+    return tool
+
+
+def _swallow(tool: Any, call_id: str) -> None:
+    with contextlib.suppress(Exception):
+        call(tool, call_id, "acct")
+
+
+@pytest.mark.parametrize("late", [ValueError("card declined"), TimeoutError("no answer")],
+                         ids=["released", "unknown"])
+def test_a_late_failure_never_undoes_an_operators_confirmed_effect(store: Any, backend: Backend,
+                                                                   late: BaseException) -> None:
+    # The operator found the charge in the ledger while the tool still ran; the tool then failed. Its
+    # outcome is in the log, but the call stays committed with the operator's value: a retry gets
+    # that value, and the card is not charged a second time.
+    tool = _resolved_while_running(store, backend, "op1", "committed", late)
+    kind = "released" if isinstance(late, ValueError) else "unknown"
+    assert [(e.kind, e.actor) for e in store_events(store, "op1")] == [
+        ("pending", "guard"), ("committed", "operator:ana"), (kind, "guard")
+    ]
+    record = store.get("op1")
+    assert (record.status, record.actor, record.value) == ("committed", "operator:ana", '"ch_1"')
+    assert call(tool, "op1", "acct") == "ch_1"
+    assert backend.effects == [("acct", 1)]
+
+
+def test_a_late_value_replaces_the_operators_own(store: Any, backend: Backend) -> None:
+    # Either way the operator resolved it, what the tool itself returned is better evidence.
+    for call_id, operator_kind in (("op2", "committed"), ("op3", "released")):
+        tool = _resolved_while_running(store, backend, call_id, operator_kind, None)
+        record = store.get(call_id)
+        assert (record.status, record.actor, record.value) == ("committed", "guard", '"ch_late"')
+        assert call(tool, call_id, "acct") == "ch_late"
+    assert backend.effects == [("acct", 1), ("acct", 1)]
+
+
+def test_a_late_failure_after_the_operator_said_not_applied_is_taken(store: Any, backend: Backend) -> None:
+    tool = _resolved_while_running(store, backend, "op4", "released", TimeoutError("no answer"))
+    assert store.get("op4").status == "unknown"  # the safer of the two: refused, never run again
+    assert call(tool, "op4", "acct")["block_reason"] == "effect_status_unknown"
     assert backend.effects == [("acct", 1)]
 
 
