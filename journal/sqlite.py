@@ -310,11 +310,13 @@ class SQLiteJournal(LogReads):
         self._closed = False
         self._archive: tuple[int, int, int, bool] | None = None  # the file as a read-only open found it
         self._tidy: int | None = None  # the inode of a file whose side files a read-only open made
+        self._first_open = True
         self._txn = 0  # write transactions begun, numbered
         self._committing = 0  # the one whose COMMIT was sent
         self._committed = 0  # the last one known committed
         self._counted = 0  # the last one counted in _written
         self._conn = self._open()
+        self._first_open = False
         self._forks = _FORKS[0]
         _JOURNALS.add(self)
 
@@ -334,7 +336,7 @@ class SQLiteJournal(LogReads):
             uri = schema.reader_uri(file)
             # Read as an archive (immutable): the file as it is now, which a writer must not change.
             self._archive = schema.signature(file) if uri.endswith("immutable=1") else None
-            if self._tidy is None:  # the first open: whether reading makes the side files (see close)
+            if self._first_open:  # whether reading makes the side files (see close)
                 sides = any(os.path.lexists(f"{file}{side}") for side in ("-wal", "-shm"))
                 self._tidy = None if sides or self._archive is not None else os.stat(file).st_ino
             conn = self._connect(uri, uri=True)
