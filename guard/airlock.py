@@ -74,8 +74,9 @@ _HINTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def message_of(exc: BaseException) -> str:
-    """``str(exc)``, storable; ``<unprintable X>`` when its ``__str__`` fails."""
+def message_of(exc: object) -> str:
+    """``str(exc)`` (of an exception, or any object), storable; ``<unprintable X>`` when its
+    ``__str__`` fails."""
     try:
         text = str(exc)
     except Exception:
@@ -86,6 +87,22 @@ def message_of(exc: BaseException) -> str:
 def error_of(exc: BaseException) -> dict[str, str]:
     """The ``{type, message}`` of an exception as an event records it."""
     return {"type": storable(type(exc).__name__), "message": message_of(exc)}
+
+
+def _ambiguous_in(group: BaseExceptionGroup[Any], ambiguous: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception in ``group`` (depth first, nested groups included) that leaves a call's
+    outcome in doubt: an instance of ``ambiguous``, or one that is no ``Exception``; None if none is."""
+    # A loop, not recursion: groups may nest deeper than Python recurses. A nested group comes
+    # after its members, which say better what happened.
+    pending: list[tuple[BaseException, bool]] = [(e, False) for e in reversed(group.exceptions)]
+    while pending:
+        exc, members_seen = pending.pop()
+        if isinstance(exc, BaseExceptionGroup) and not members_seen:
+            pending.append((exc, True))
+            pending.extend((e, False) for e in reversed(exc.exceptions))
+        elif isinstance(exc, ambiguous) or not isinstance(exc, Exception):
+            return exc
+    return None
 
 
 def is_deferred(result: Any) -> bool:
@@ -303,7 +320,11 @@ class _Call:
             and response.request_id == request.request_id
             and response.verdict is OversightVerdict.GRANT
         ):
-            who = response.approver or "an approver"
+            approver: object = response.approver
+            if approver is None or (isinstance(approver, str) and not approver):
+                approver = "an approver"
+            # Journaled on the pending event: as every store can keep it (a lone surrogate escaped).
+            who = message_of(approver)
             self.approval = {"code": "approved", "message": f"approved by {who} (request {request.request_id})"}
             return None
         if not isinstance(response, OversightResponse):
@@ -404,9 +425,23 @@ class _Call:
             return
         eg = self.eg
         assert eg is not None
-        kind = "unknown" if isinstance(exc, eg.ambiguous_errors) or not isinstance(exc, Exception) else "released"
+        ambiguous = eg.ambiguous_errors
+        kind = "unknown" if isinstance(exc, ambiguous) or not isinstance(exc, Exception) else "released"
+        error = error_of(exc)
+        if isinstance(exc, BaseExceptionGroup) and not isinstance(exc, ambiguous):
+            # A TaskGroup's or an except*'s group is as ambiguous as the worst exception it holds.
+            try:
+                held = _ambiguous_in(exc, ambiguous)
+            except Exception:  # a group whose exceptions cannot be read: its outcome is in doubt
+                kind = "unknown"
+            else:
+                if held is not None:
+                    kind = "unknown"
+                    among = error_of(held)
+                    said = f": {among['message']}" if among["message"] else ""
+                    error["message"] += f"; among them {among['type']}{said}"
         try:
-            self.outcome(kind, error=error_of(exc))
+            self.outcome(kind, error=error)
         except Exception as e:
             self.not_recorded(kind, e)  # the caller still gets the tool's exception
 

@@ -59,7 +59,15 @@ class AirlockContext:
         entered = _entered.get()
         if not entered or entered[-1][0] is not self:
             raise RuntimeError("an AirlockContext was left that is not the innermost one entered here")
-        _current.reset(entered[-1][1])
+        try:
+            _current.reset(entered[-1][1])
+        except (ValueError, RuntimeError) as e:
+            # A task made while it was entered inherits that nesting, yet cannot undo what the
+            # entering task set; the context stays entered where it was entered.
+            raise RuntimeError(
+                "an AirlockContext was left in another task or context than the one that entered "
+                "it; leave it where it was entered"
+            ) from e
         _entered.set(entered[:-1])
 
     async def __aenter__(self) -> AirlockContext:

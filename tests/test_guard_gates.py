@@ -7,6 +7,7 @@ import concurrent.futures
 import functools
 import inspect
 import multiprocessing
+import os
 import threading
 from typing import Any
 
@@ -407,6 +408,36 @@ def test_approver_is_optional_name() -> None:
         return "refunded"
 
     assert refund("o1") == "refunded"
+
+
+@pytest.mark.parametrize(
+    ("name", "recorded"),
+    [(os.fsdecode(b"ops-\xff"), "ops-\\udcff"), (7, "7"), ("", "an approver")],
+    ids=["lone-surrogate", "not-a-str", "empty"],
+)
+def test_a_granted_call_runs_once_on_every_store_whatever_the_approver_is_named(
+    store: Any, name: Any, recorded: str,
+) -> None:
+    # The approver's name, as its host gave it (a file name's os.fsdecode(), say), goes on the pending event.
+    approvals = Approvals(approver=name)
+    runs: list[int] = []
+
+    @Airlock(policy=SecurityPolicy(escalate_tools={"pay": "money leaves"}, approver=approvals,
+                                   effect_guard=EffectGuard(store=store)))
+    def pay(cents: int) -> str:
+        runs.append(cents)
+        return "paid"
+
+    with ctx("g-1"):
+        out = pay(5)
+    assert out == "paid", out
+    with ctx("g-1"):
+        assert pay(5) == "paid"  # replayed, not run again
+    assert runs == [5]
+    pending = next(e for e in store.events(call_id="g-1") if e.kind == "pending")
+    assert pending.reason == {
+        "code": "approved", "message": f"approved by {recorded} (request {approvals.requests[0].request_id})",
+    }
 
 
 def test_require_approval_for_irreversible() -> None:

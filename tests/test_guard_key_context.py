@@ -201,6 +201,57 @@ def test_async_with_and_task_isolation() -> None:
     assert asyncio.run(main()) == ["a", "b"]
 
 
+LEFT_ELSEWHERE = (
+    "an AirlockContext was left in another task or context than the one that entered it; "
+    "leave it where it was entered"
+)
+
+
+def test_leaving_a_context_in_a_task_that_did_not_enter_it_is_the_documented_error() -> None:
+    host = AirlockContext(agent_id="host", metadata={"tool_call_id": "c1"})
+
+    async def main() -> tuple[str, Any, Any]:
+        host.__enter__()
+
+        async def leave_elsewhere() -> tuple[str, Any]:
+            try:
+                host.__exit__(None, None, None)
+            except RuntimeError as e:
+                return str(e), get_current_context()  # still entered here, as the task inherited it
+            return "left", get_current_context()
+
+        error, seen_in_task = await asyncio.create_task(leave_elsewhere())
+        seen_here = get_current_context()
+        host.__exit__(None, None, None)  # the task that entered it leaves it
+        return error, (seen_in_task, seen_here), get_current_context()
+
+    error, seen, after = asyncio.run(main())
+    assert error == LEFT_ELSEWHERE
+    assert seen == (host, host) and after is None
+
+
+def test_leaving_a_context_after_the_task_that_entered_it_left_it_is_the_documented_error() -> None:
+    host = AirlockContext(agent_id="host")
+
+    async def main() -> Any:
+        release = asyncio.Event()
+
+        async def outlives_it() -> str | None:
+            await release.wait()
+            try:
+                host.__exit__(None, None, None)
+            except RuntimeError as e:
+                return str(e)
+            return None
+
+        with host:
+            task = asyncio.create_task(outlives_it())
+        release.set()
+        return await task, get_current_context()
+
+    assert asyncio.run(main()) == (LEFT_ELSEWHERE, None)
+
+
 def test_threads_do_not_share_contexts() -> None:
     seen: list[Any] = []
 
