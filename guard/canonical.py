@@ -64,19 +64,31 @@ def _has_nonfinite(obj: Any) -> bool:
 
 
 def _str_keys(obj: Any) -> Any:
-    """``obj`` with every key that is a ``str`` of a subclass (a ``StrEnum`` member, say) as the
-    plain string it is, as orjson writes such a value; dataclasses and models as their fields.
-    Other keys are left for orjson to refuse. Two keys that become one string raise NotCanonical."""
+    """``obj`` made of what orjson writes without a ``default``, as orjson writes it: every key that
+    is a ``str`` of a subclass (a ``StrEnum`` member, say) as the plain string it is, a tuple of a
+    subclass (a ``NamedTuple``) as the list of its items, a float of a subclass as its float, other
+    enum members as their values, dataclasses and models as their fields. Other keys and values are
+    left for orjson to refuse. Two keys that become one string raise NotCanonical."""
+    # In orjson's order: a str or int of a subclass (an enum member too) is written as itself,
+    # any other enum member as its value.
     if isinstance(obj, dict):
         out: dict[Any, Any] = {}
-        for k, v in obj.items():
+        for k, v in dict.items(obj):  # what orjson reads, whatever a subclass's items() says
             key = str.__str__(k) if isinstance(k, str) else k
             if key in out:
                 raise NotCanonical(f"two keys of one object are the string {key!r}")
             out[key] = _str_keys(v)
         return out
-    if isinstance(obj, list | tuple):
-        return [_str_keys(v) for v in obj]
+    if isinstance(obj, list):
+        return [_str_keys(v) for v in list.__iter__(obj)]
+    if isinstance(obj, str | int):
+        return obj
+    if isinstance(obj, enum.Enum):
+        return _str_keys(obj.value)
+    if isinstance(obj, tuple):
+        return [_str_keys(v) for v in tuple.__iter__(obj)]
+    if isinstance(obj, float):
+        return float.__float__(obj)  # an exact float, of a subclass's value
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _str_keys(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if callable(getattr(obj, "model_dump", None)) and not isinstance(obj, type):
@@ -90,19 +102,7 @@ def canonical_bytes(obj: Any) -> bytes:
         # Plain JSON types need no ``default``, and orjson is faster without one.
         out = orjson.dumps(obj, option=_OPTIONS)
     except orjson.JSONEncodeError as first:
-        try:
-            if "Dict key must be str" in str(first):
-                out = orjson.dumps(_str_keys(obj), default=_default, option=_OPTIONS)
-            else:
-                out = orjson.dumps(obj, default=_default, option=_OPTIONS)
-        except NotCanonical:
-            raise
-        except (TypeError, orjson.JSONEncodeError) as e:
-            if str(e) == "Recursion limit reached":  # orjson writes at most 254 levels of nesting
-                raise NotCanonical("it nests arrays or objects more than 254 levels deep") from e
-            raise NotCanonical(str(e)) from e
-        except Exception as e:  # a model's own dump failing, or nesting too deep to walk
-            raise NotCanonical(f"{type(e).__name__} while making its JSON form: {e}") from e
+        out = _fallback_bytes(obj, str(first))
     if b"null" in out:
         try:
             nonfinite = _has_nonfinite(obj)
@@ -111,6 +111,35 @@ def canonical_bytes(obj: Any) -> bytes:
         if nonfinite:
             raise NotCanonical("NaN and infinities have no JSON form")
     return out
+
+
+_DEEP = "Recursion limit reached"  # orjson writes at most 254 levels of nesting
+
+
+def _fallback_bytes(obj: Any, first: str) -> bytes:
+    """The canonical bytes of ``obj``, which orjson alone could not write (its error: ``first``).
+
+    Dataclasses and models go through ``default``, as they always have. What orjson refuses even so
+    (a key or a tuple or float of a subclass, met anywhere, inside a dataclass too) is written from
+    ``_str_keys(obj)``, which gives the same bytes for whatever the other way can write: so the form
+    of a value never depends on which of its parts orjson meets first.
+    """
+    try:
+        if "Dict key must be str" not in first:
+            try:
+                return orjson.dumps(obj, default=_default, option=_OPTIONS)
+            except orjson.JSONEncodeError as e:
+                if str(e) == _DEEP:
+                    raise
+        return orjson.dumps(_str_keys(obj), default=_default, option=_OPTIONS)
+    except NotCanonical:
+        raise
+    except (TypeError, orjson.JSONEncodeError) as e:
+        if str(e) == _DEEP:
+            raise NotCanonical("it nests arrays or objects more than 254 levels deep") from e
+        raise NotCanonical(str(e)) from e
+    except Exception as e:  # a model's own dump failing, or nesting too deep to walk
+        raise NotCanonical(f"{type(e).__name__} while making its JSON form: {e}") from e
 
 
 def canonical_json(obj: Any) -> str:
