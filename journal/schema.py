@@ -10,6 +10,7 @@ import errno
 import os
 import sqlite3
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ __all__ = [
     "APPLICATION_ID",
     "LATEST",
     "MIGRATIONS",
+    "OPENING",
     "READABLE_FROM",
     "FileKind",
     "inspect",
@@ -34,6 +36,9 @@ __all__ = [
 APPLICATION = "airlock-journal"
 APPLICATION_ID = 0x41524C4B  # "ARLK"
 _HEADER = b"SQLite format 3\x00"
+# Held while this process opens a descriptor of a journal file: closing any descriptor of a file
+# drops every POSIX lock the process holds on it, SQLite's included (see inspect).
+OPENING = threading.Lock()
 KINDS = ("pending", "committed", "unknown", "released", "replayed", "refused")
 STATUSES = ("pending", "committed", "unknown", "released")
 
@@ -178,12 +183,13 @@ def inspect(path: Path, timeout: float = 5.0) -> FileKind:
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if not stat.S_ISREG(mode):  # a FIFO would block the read below until a writer comes
         return FileKind("foreign", why="is not a regular file")
-    with path.open("rb") as f:
-        header = f.read(len(_HEADER))
-    if not header:
-        return FileKind("blank")
-    if header != _HEADER:
-        return FileKind("foreign", why="is not a SQLite database")
+    with OPENING:
+        header = None if _open_here(path) else _header(path)
+    if header is not None:
+        if not header:
+            return FileKind("blank")
+        if header != _HEADER:
+            return FileKind("foreign", why="is not a SQLite database")
     if not Path(f"{path}-wal").exists():
         # No WAL beside it: the file holds everything, and reading it as immutable creates no -wal
         # or -shm beside a file that may be refused. A file that cannot be read so is looked at
@@ -198,6 +204,34 @@ def inspect(path: Path, timeout: float = 5.0) -> FileKind:
     return _read(readonly_uri(path), timeout)
 
 
+def _header(path: Path) -> bytes:
+    with path.open("rb") as f:
+        return f.read(len(_HEADER))
+
+
+def _open_here(path: Path) -> bool:
+    """Whether this process has ``path`` open already (a connection of another journal object, say).
+
+    Then its header is not read with a descriptor of this module's own: closing it would take
+    away the locks SQLite holds on the file for that connection, and another process could then
+    check the WAL into the file and delete it under the connection, whose later commits are lost.
+    Where the open descriptors cannot be listed, the file is taken to be open.
+    """
+    st = os.stat(path)
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return True  # no /proc here; other failures (no descriptor left, say) are the caller's to report
+    for fd in fds:
+        try:
+            other = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile, or the descriptor of the listing itself
+        if other.st_ino == st.st_ino and other.st_dev == st.st_dev:
+            return True
+    return False
+
+
 def signature(path: Path) -> tuple[int, int, int, bool]:
     """What changes when a file is written: its inode, size and mtime, and whether a WAL is beside it."""
     try:
@@ -209,7 +243,8 @@ def signature(path: Path) -> tuple[int, int, int, bool]:
 
 def _read(uri: str, timeout: float) -> FileKind:
     try:
-        conn = sqlite3.connect(uri, uri=True, timeout=timeout)
+        with OPENING:
+            conn = sqlite3.connect(uri, uri=True, timeout=timeout)
     except sqlite3.Error as e:
         return FileKind("foreign", why=f"cannot be opened as a SQLite database ({e})")
     try:

@@ -58,6 +58,9 @@ _BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 _BATCH = 1000
 _EXPORT_BYTES = 1 << 20  # about a megabyte of lines a batch
 _CHECKPOINT_PAGES = 4000
+# A group commit's fsync still under way after this many seconds is made again by a thread waiting
+# for it: the thread that started it may have been interrupted before it could say it was done.
+_SYNC_STALE = 1.0
 _WAL_KEEP = 16 * 1024 * 1024
 # Connections inherited through fork are never used or closed in the child (closing one could
 # checkpoint and delete a WAL that the parent still writes); they are parked here instead.
@@ -83,12 +86,17 @@ _HELD_FOR_FORK: list[threading.RLock] = []
 
 
 def _before_fork() -> None:
-    # No journal of this process may be inside a transaction when it forks: the child would inherit
-    # SQLite's record of a lock that no thread of the child will ever release.
+    # No connection of this process to a journal may cross a fork. SQLite keeps, per process, a
+    # record of the locks it holds on each file; a child inheriting it while the locks themselves
+    # (POSIX locks, never inherited) stay with the parent would take its own connections' locks
+    # for held, and another process could then check the WAL into the file and delete it under
+    # the child's commits. So each journal lets go of its connection, between transactions (its
+    # lock held), and opens a new one when it is next used, in the parent and in the child alike.
     for journal in sorted(_JOURNALS, key=id):
         lock = journal._lock
         if lock.acquire(timeout=journal.busy_timeout):
             _HELD_FOR_FORK.append(lock)
+            journal._let_go()
 
 
 def _after_fork_in_parent() -> None:
@@ -114,7 +122,15 @@ def _forked() -> None:
     _FORKS[0] += 1
     _HELD_FOR_FORK.clear()
     for journal in list(_JOURNALS):
-        journal._lock = threading.RLock()  # the parent's may be held by a thread the child lacks
+        # The parent's locks and queue may be held, or filled, by threads the child lacks; an fsync
+        # a parent thread was making is not the child's to wait for.
+        journal._lock = threading.RLock()
+        journal._requests = collections.deque()
+        fd = journal._wal_fd
+        journal._reset_group()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the child's own copy of the descriptor; the parent's stays open
 
 
 if hasattr(os, "register_at_fork"):
@@ -143,13 +159,15 @@ _SELECT_HEAD_AND_CALL = (
 class _Request:
     """One thread's write (``step``, run in a transaction at NORMAL), and what came of it."""
 
-    __slots__ = ("deadline", "done", "error", "forks", "result", "staged", "staged_in", "step", "ticket")
+    __slots__ = ("abandoned", "deadline", "done", "error", "forks", "result", "staged", "staged_in", "step",
+                 "ticket")
 
     def __init__(self, step: Callable[[sqlite3.Connection], Any], deadline: float) -> None:
         self.step = step
         self.deadline = deadline  # the busy deadline counts from when the thread asked, not from its turn
         self.forks = _FORKS[0]
         self.done = False
+        self.abandoned = False  # its thread left (interrupted) before the write was taken on: never made
         self.result: Any = None
         self.error: BaseException | None = None
         self.ticket = 0
@@ -315,7 +333,10 @@ class SQLiteJournal(LogReads):
         self._committing = 0  # the one whose COMMIT was sent
         self._committed = 0  # the last one known committed
         self._counted = 0  # the last one counted in _written
-        self._conn = self._open()
+        self._conns = 0  # connections opened, numbered: the WAL descriptor belongs to one of them
+        self._conn: sqlite3.Connection | None = self._open()
+        self._conns = 1
+        self._stale = False  # the connection lost its WAL: open a new one
         self._first_open = False
         self._forks = _FORKS[0]
         _JOURNALS.add(self)
@@ -413,9 +434,10 @@ class SQLiteJournal(LogReads):
 
     def _connect(self, target: str, uri: bool = False) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(
-                target, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False, uri=uri
-            )
+            with schema.OPENING:
+                conn = sqlite3.connect(
+                    target, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False, uri=uri
+                )
         except sqlite3.Error as e:
             raise JournalError(f"Cannot open the journal {self.path}: {e}.") from e
         return conn
@@ -425,20 +447,35 @@ class SQLiteJournal(LogReads):
     def _connection(self) -> sqlite3.Connection:
         if self._closed:
             raise JournalError(f"The journal {self.path} is closed.")
-        if _FORKS[0] != self._forks:
-            _INHERITED.append(self._conn)
+        if _FORKS[0] != self._forks:  # first use in a forked child
+            if self._conn is not None:  # not let go of before the fork (its lock stayed busy)
+                _INHERITED.append(self._conn)
+                self._conn = None
             self._forks = _FORKS[0]
-            self._sync = None
-            if self._wal_fd is not None:
-                os.close(self._wal_fd)  # the child's own copy; the parent's stays open
-            self._reset_group()
-            self._conn = self._open()
-        elif self._archive is not None and schema.signature(self._file) != self._archive:
-            # Written since it was opened as an archive: read it again, the ordinary way if it can be.
+        conn = self._conn
+        if conn is not None and (self._stale or (
+            self._archive is not None and schema.signature(self._file) != self._archive
+        )):
+            # Its WAL was taken away under it; or, opened as an archive, the file has been written
+            # since: open it again (the ordinary way, if it can be).
+            self._conn = None
             with contextlib.suppress(sqlite3.Error):
-                self._conn.close()
-            self._conn = self._open()
-        return self._conn
+                conn.close()
+            conn = None
+        if conn is None:
+            self._stale = False
+            self._sync = None
+            conn = self._conn = self._open()  # kept only once opened: a failure is tried again next time
+            self._conns += 1
+        return conn
+
+    def _let_go(self) -> None:
+        """Close this process's connection (between transactions); the next use opens a new one."""
+        conn = self._conn
+        if conn is not None and not self._closed and _FORKS[0] == self._forks:
+            self._conn = None
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
 
     def _retry(self, conn: sqlite3.Connection, step: Callable[[], T]) -> T:
         """Run ``step`` until it is not refused by a lock, within the busy deadline."""
@@ -577,6 +614,14 @@ class SQLiteJournal(LogReads):
                     raise self._own_lock_busy()
             if not request.done:  # not made by another thread (or handed back by an interrupted one)
                 self._run_requests(request)
+        except BaseException:
+            # Interrupted while it waited (KeyboardInterrupt, an exception from a signal handler):
+            # the write is not made later for a caller that has gone. One another thread has taken
+            # on may be made all the same, as when the interrupt comes just after its commit.
+            request.abandoned = True
+            with contextlib.suppress(ValueError):
+                self._requests.remove(request)
+            raise
         finally:
             if _held(lock) > depth:  # see _write
                 lock.release()
@@ -591,13 +636,15 @@ class SQLiteJournal(LogReads):
         exception from a signal handler) fails it, and hands the writes of the other threads that
         its transaction did not make back to the queue, for their threads to make.
         """
-        conn = self._connection()
         batch: list[_Request] = []
         requests = self._requests
         try:
+            conn = self._connection()  # a failure to open it fails this thread's write; the others wait
             while requests:
                 request = requests.popleft()
-                if request.forks == _FORKS[0]:  # a write queued before a fork is the parent's to make
+                if request.abandoned:
+                    request.done = True  # its thread has gone: nobody waits for it
+                elif request.forks == _FORKS[0]:  # a write queued before a fork is the parent's to make
                     batch.append(request)
             if not own.done and own not in batch:  # handed back and taken again: made here, never lost
                 batch.append(own)
@@ -634,7 +681,7 @@ class SQLiteJournal(LogReads):
             interrupted = not isinstance(e, Exception)
             for request in reversed(batch):
                 if not request.done:
-                    if interrupted and request is not own:
+                    if interrupted and request is not own and not request.abandoned:
                         requests.appendleft(request)  # undone with the transaction: its thread makes it
                     else:
                         request.error, request.done = e, True
@@ -701,7 +748,10 @@ class SQLiteJournal(LogReads):
         self._written = 0  # commits of this object that begin must see on disk, counted in order
         self._synced = 0  # how many of them an fsync has covered
         self._syncing = False
+        self._sync_since = 0.0  # when the fsync under way was started
+        self._wal_lock = threading.Lock()  # held by the thread making an fsync, and for the descriptor
         self._wal_fd: int | None = None
+        self._wal_of = 0  # the connection (numbered as _conns counts) whose WAL _wal_fd is
 
     def _wait_durable(self, ticket: int) -> None:
         """Return once the first ``ticket`` counted commits are on disk.
@@ -710,35 +760,61 @@ class SQLiteJournal(LogReads):
         wait for it, and those it did not cover (they committed after it started) start the next.
         """
         group = self._group
-        with group:
-            while self._synced < ticket and self._syncing:
-                group.wait()
-            if self._synced >= ticket:
-                return
-            self._syncing = True
-            covered = self._written
-        synced = False
+        claimed = synced = False
+        covered = 0
         try:
+            with group:
+                while self._synced < ticket and self._syncing:
+                    waited = time.monotonic() - self._sync_since
+                    if waited >= _SYNC_STALE:
+                        # The thread that started it was interrupted before it could say it was done,
+                        # or its fsync is that slow: make one here (they take turns on the descriptor).
+                        break
+                    group.wait(_SYNC_STALE - waited)
+                if self._synced >= ticket:
+                    return
+                covered = self._written
+                self._sync_since = time.monotonic()
+                claimed = self._syncing = True  # within the try: an interrupt cannot leave it claimed
             self._sync_wal()
             synced = True
         finally:
-            with group:
-                self._syncing = False
-                if synced:
-                    self._synced = max(self._synced, covered)
-                group.notify_all()
+            if claimed:
+                with group:
+                    self._syncing = False
+                    if synced:
+                        self._synced = max(self._synced, covered)
+                    group.notify_all()
 
     def _sync_wal(self) -> None:
         """fsync the WAL file, where the commits are until a checkpoint (which fsyncs them itself)."""
+        with self._wal_lock:
+            self._sync_wal_locked()
+
+    def _sync_wal_locked(self) -> None:
         wal = self._wal_path
         try:
             fd = self._wal_fd
-            if fd is None or os.fstat(fd).st_ino != os.stat(wal).st_ino:
-                if fd is not None:
+            if fd is not None and self._wal_of != self._conns:
+                self._wal_fd = None  # a connection opened since, whose WAL may be a new file
+                os.close(fd)
+                fd = None
+            if fd is None:
+                conns = self._conns
+                self._wal_fd = fd = os.open(wal, os.O_RDWR)
+                self._wal_of = conns
+                _sync_directory(os.path.dirname(wal))  # a WAL new since the last fsync: its name too
+            elif os.fstat(fd).st_ino != os.stat(wal).st_ino:
+                if self._closed:  # closed meanwhile, as the last connection: it checkpointed the WAL
                     self._wal_fd = None
                     os.close(fd)
-                self._wal_fd = fd = os.open(wal, os.O_RDWR)
-                _sync_directory(os.path.dirname(wal))  # a WAL new since the last fsync: its name too
+                    return
+                # Another process took the WAL away while this connection had it open, believing
+                # itself the file's last user: the commits made since may be lost. Said, never
+                # fsynced in its place; the next write opens a new connection.
+                self._stale = True
+                raise JournalError(f"The journal {self.path} lost its WAL file to another process while "
+                                   "open (its locks on the file were taken away); the last write is not on disk.")
             _fdatasync(fd)
             if self._closed:  # closed meanwhile: close() has already let go of the descriptor it saw
                 self._wal_fd = None
@@ -1177,16 +1253,16 @@ class SQLiteJournal(LogReads):
         with self._lock:
             if not self._closed:
                 self._closed = True
+                conn, self._conn = self._conn, None
                 if _FORKS[0] == self._forks:
-                    with contextlib.suppress(sqlite3.Error):  # nothing is left to lose on close
-                        self._conn.close()
+                    if conn is not None:
+                        with contextlib.suppress(sqlite3.Error):  # nothing is left to lose on close
+                            conn.close()
                     if self._tidy is not None:
                         self._remove_side_files(self._tidy)
-                else:
-                    _INHERITED.append(self._conn)
-                with self._group:
-                    while self._syncing:  # the fsync under way uses the descriptor
-                        self._group.wait()
+                elif conn is not None:
+                    _INHERITED.append(conn)
+                with self._wal_lock:  # after the fsync under way, which uses the descriptor
                     if self._wal_fd is not None:
                         os.close(self._wal_fd)
                         self._wal_fd = None
@@ -1203,7 +1279,8 @@ class SQLiteJournal(LogReads):
         with contextlib.suppress(OSError, sqlite3.Error):
             if os.stat(file).st_ino != inode or not os.access(file, os.R_OK | os.W_OK):
                 return
-            conn = sqlite3.connect(str(file), timeout=0, isolation_level=None)
+            with schema.OPENING:
+                conn = sqlite3.connect(str(file), timeout=0, isolation_level=None)
             try:
                 conn.execute("PRAGMA query_only = 1")
                 conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
