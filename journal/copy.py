@@ -1,8 +1,10 @@
 """Copy a journal to another store (SQLite to PostgreSQL, or back), preserving every ``seq`` and hash.
 
-The stored events are inserted as they are, the projection is recomputed by the fold, and the copy
-is verified: its chain must check and its head must equal the source's. The destination must be
-empty; the source is only read.
+The stored events are inserted as they are, the projection is recomputed by the fold (replacing any
+rows the destination's projection held), and the copy is verified: its chain must check and its
+head must equal the source's. A PostgreSQL destination is verified before the import commits, so a
+copy that does not verify leaves it as it was. The destination must hold no events; the source is
+only read.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from guard.store import CallRecord
 
 from .errors import JournalError
-from .events import JournalEvent
+from .events import JournalEvent, VerifyReport
 from .open import open_journal
 from .projection import fold_into
 from .rows import CALL_COLUMNS, EVENT_COLUMNS, call_row, event_row
@@ -81,19 +83,27 @@ def _import_sqlite(journal: SQLiteJournal, events: Iterable[JournalEvent]) -> in
         raise JournalError(f"cannot copy into the journal {journal.path}: {e}") from e
 
 
-def import_events(destination: Any, events: Iterable[JournalEvent]) -> int:
+def import_events(destination: Any, events: Iterable[JournalEvent],
+                  check: Callable[[VerifyReport], None] | None = None) -> int:
     """Insert stored ``events`` (in ``seq`` order from 1) into the empty journal ``destination`` as
     they are, and its projection folded from them, in one transaction; returns the number of calls.
+
+    ``check`` is given the destination's verify report, and raises to refuse the copy: a
+    PostgreSQL destination is checked before its transaction commits, so a refused copy changes
+    nothing; a SQLite one after it has committed.
 
     Raises :class:`JournalError` when the destination is not empty (nothing is changed then) or
     the events do not follow one another.
     """
     if isinstance(destination, SQLiteJournal):
-        return _import_sqlite(destination, _check_chain(events))
+        calls = _import_sqlite(destination, _check_chain(events))
+        if check is not None:
+            check(destination.verify())
+        return calls
     importer = getattr(destination, "import_events", None)
     if importer is None:
         raise JournalError(f"cannot copy into {destination!r}: it is not a journal")
-    return int(importer(_check_chain(events)))
+    return int(importer(_check_chain(events), check))
 
 
 def copy_journal(
@@ -104,7 +114,8 @@ def copy_journal(
     on_total: Callable[[int], None] | None = None,
 ) -> CopyReport:
     """Copy the journal at ``source`` (a path or URL, only read) into ``destination`` (created when
-    missing, and it must hold no events), then verify the copy.
+    missing, and it must hold no events), then verify the copy: a PostgreSQL destination before the
+    import commits, so a copy that does not verify leaves it as it was.
 
     ``on_total`` is told how many events will be copied, ``progress`` is called once per event.
     Raises :class:`JournalError` (and its kinds): a missing, foreign or broken source, a non-empty
@@ -136,12 +147,16 @@ def copy_from(
     if on_total is not None:
         on_total(last_seq)
     with open_journal(destination, create=True) as dst:
-        calls = import_events(dst, _bounded(src.events(), last_seq, progress))
-        copied = dst.verify()
-        if not copied.ok or (copied.events, copied.head) != (last_seq, head):
-            raise JournalError(
-                f"the copy in {_name(dst)} does not verify: {copied.problem or 'its head differs'}"
-            )
+        # A PostgreSQL destination is checked inside the import's transaction: refused, it is rolled back.
+        kept = "" if isinstance(dst, SQLiteJournal) else "; it was rolled back, and the destination left as it was"
+
+        def check(copied: VerifyReport) -> None:
+            if not copied.ok or (copied.events, copied.head) != (last_seq, head):
+                raise JournalError(
+                    f"the copy in {_name(dst)} does not verify: {copied.problem or 'its head differs'}{kept}"
+                )
+
+        calls = import_events(dst, _bounded(src.events(), last_seq, progress), check)
     return CopyReport(events=last_seq, calls=calls, head=head)
 
 

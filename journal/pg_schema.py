@@ -1,7 +1,9 @@
 """The PostgreSQL journal's schema: its tables, the append-only trigger and the migrations.
 
 A journal lives in one schema of a database: the first schema of the connection's
-``search_path`` (``public`` by default), so several journals can share a database.
+``search_path`` (``public`` by default), so several journals can share a database. Never a later
+one: :func:`search_path_schemas` reads the setting as PostgreSQL does, for the journal to check
+that the schema its statements reach is that first one.
 
 - ``airlock_journal_meta``: one row naming the application and the schema version;
 - ``events``: the log, one column per field of an event (JSON fields as canonical text, ``at`` as
@@ -14,7 +16,9 @@ A journal lives in one schema of a database: the first schema of the connection'
 
 from __future__ import annotations
 
-__all__ = ["APPLICATION", "MIGRATIONS", "SCHEMA_VERSION", "TABLES"]
+import re
+
+__all__ = ["APPLICATION", "MIGRATIONS", "SCHEMA_VERSION", "TABLES", "USER_SCHEMA", "search_path_schemas"]
 
 APPLICATION = "airlock-journal"
 
@@ -104,3 +108,26 @@ _V1 = (
 # version -> the statements that bring a journal from version - 1 to it.
 MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1}
 SCHEMA_VERSION = max(MIGRATIONS)
+
+
+USER_SCHEMA = "$user"  # a search_path entry that stands for the schema named after the login
+
+# One entry of a search_path: a quoted name ("" for a quote in it) or an unquoted one, then a comma
+# or the end. The server has checked the syntax of the setting already.
+_PATH_ENTRY = re.compile(r'\s*(?:"((?:[^"]|"")*)"|([^",\s]+))\s*(?:,|$)')
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+_NAME_BYTES = 63  # PostgreSQL cuts a longer identifier to this many bytes
+
+
+def search_path_schemas(search_path: str) -> list[str]:
+    """The schema names of a ``search_path`` setting, in order, read as PostgreSQL reads them: an
+    unquoted name folded to lower case (ASCII letters only), a quoted one as written, each cut to
+    63 bytes; ``$user``, quoted or not, stays :data:`USER_SCHEMA`."""
+    names: list[str] = []
+    at = 0
+    while at < len(search_path) and (found := _PATH_ENTRY.match(search_path, at)) and found.end() > at:
+        quoted, bare = found.groups()
+        name = quoted.replace('""', '"') if quoted is not None else bare.translate(_ASCII_LOWER)
+        names.append(name.encode()[:_NAME_BYTES].decode(errors="ignore"))
+        at = found.end()
+    return names

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.sql import SQL, Identifier
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from guard.canonical import NotCanonical
@@ -135,6 +136,9 @@ _APPEND_AND_PROJECT = f"WITH event AS ({_INSERT_EVENT}), call AS ({_UPSERT_CALL}
 # The WAL is written in order, so only a tail of such events can be lost: never a hole in the chain.
 _RELAXED = b"SET LOCAL synchronous_commit = off"
 
+
+# The server encodings that store the UTF-8 the journal sends unchanged.
+_SERVER_ENCODINGS = frozenset({"UTF8", "SQL_ASCII"})
 
 _CALL_FIELDS = [c for c in CALL_COLUMNS if c not in ("call_id", "last_seq")]
 _EVENT_FIELDS = [c for c in EVENT_COLUMNS if c not in ("seq", "prev_hash", "hash")]
@@ -337,17 +341,20 @@ class _Tx:
 
 
 class PostgresJournal(LogReads):
-    """A journal in a PostgreSQL database (its tables in the connection's current schema).
+    """A journal in a PostgreSQL database (its tables in the first schema of the connection's
+    search_path, named by :attr:`schema` once open).
 
     ``PostgresJournal(dsn, busy_timeout=30.0, pool_size=8, readonly=False, create=True,
     connect_timeout=5.0)``. ``dsn`` is a libpq URL or key=value string. ``create`` makes the
-    tables in an empty schema; the database itself must exist. ``busy_timeout`` bounds the wait
-    for the journal's write lock and for a free pooled connection (then :class:`StoreBusy`);
-    ``connect_timeout`` bounds a connection attempt. One object is safe to share between threads.
+    tables in an empty schema; the database itself must exist, in the UTF8 or SQL_ASCII encoding.
+    ``busy_timeout`` bounds the wait for the journal's write lock and for a free pooled connection
+    (then :class:`StoreBusy`); ``connect_timeout`` bounds a connection attempt. One object is safe
+    to share between threads.
 
-    Raises :class:`JournalNotFound` (no such database, or an empty one and ``create`` false),
-    :class:`NotAJournal` (the schema holds another application's tables), :class:`NewerSchema`,
-    or :class:`JournalError` (the server cannot be reached); in every case nothing is changed.
+    Raises :class:`JournalNotFound` (no such database or schema, or an empty one and ``create``
+    false), :class:`NotAJournal` (the schema holds another application's tables),
+    :class:`NewerSchema`, or :class:`JournalError` (the server cannot be reached, the database has
+    another encoding, the login may not use the schema); in every case nothing is changed.
     """
 
     #: ``async def`` tools make this journal's writes in the guard's pool of threads, off the loop, so
@@ -377,6 +384,9 @@ class PostgresJournal(LogReads):
             "autocommit": True,
             "connect_timeout": max(1, round(connect_timeout)),
             "fallback_application_name": "airlock-journal",
+            # Every text goes to the server as UTF-8 and comes back as str, whatever the DSN or
+            # PGCLIENTENCODING say: another client encoding cannot carry every id and argument.
+            "client_encoding": "utf8",
         }
         # A server cut off by the network mid-statement would otherwise hold a guarded call until the
         # kernel gives up on the connection (minutes): unacknowledged data, or an idle connection
@@ -407,6 +417,8 @@ class PostgresJournal(LogReads):
         _JOURNALS.add(self)
         conn = self._connect_direct("open the journal")
         try:
+            self._check_encoding(conn)
+            self.schema = self._schema(conn)
             self._open_schema(conn, create=create and not readonly)
             self._floor = int((conn.execute("SELECT seq FROM chain_head WHERE id = 1").fetchone() or (0,))[0])
             may_make_temporary = conn.execute(
@@ -455,6 +467,9 @@ class PostgresJournal(LogReads):
             settings.append("SET default_transaction_read_only = on")
         for setting in settings:
             conn.execute(setting.encode())
+        # Only the schema checked at open: should it lose its USAGE grant later (or a schema named
+        # after the login appear), a statement fails instead of reaching another schema's tables.
+        conn.execute(SQL("SET search_path = {}").format(Identifier(self.schema)))
         if self._server_append:
             try:
                 conn.execute(_APPEND_FN.encode())
@@ -620,6 +635,19 @@ class PostgresJournal(LogReads):
 
     # -- schema -------------------------------------------------------------------------------
 
+    def _check_encoding(self, conn: Conn) -> None:
+        """Refuse, before anything is written, a database that cannot hold every UTF-8 text."""
+        database, encoding = conn.execute(
+            "SELECT current_database(), current_setting('server_encoding')").fetchone() or ("", "")
+        # SQL_ASCII converts nothing: the UTF-8 bytes the journal sends are stored as they are.
+        # Any other encoding refuses the texts it has no character for ("€" in LATIN1).
+        if encoding not in _SERVER_ENCODINGS:
+            raise JournalError(
+                f"cannot open the journal {self.name}: its database {database} has the encoding {encoding}, "
+                "which cannot hold every text of a journal; use a UTF8 database "
+                "(CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+            )
+
     def _open_schema(self, conn: Conn, *, create: bool) -> None:
         """Check what the schema holds; make or migrate the journal's tables when allowed.
 
@@ -656,16 +684,43 @@ class PostgresJournal(LogReads):
         except psycopg.Error as e:
             raise self._translate(e, "open the journal") from e
 
+    def _schema(self, conn: Conn) -> str:
+        """The journal's schema: the first of the search_path (after a leading ``$user`` that names no
+        schema), which must be the one the session's statements reach; raises if it is not.
+
+        PostgreSQL's current_schema() skips a schema that does not exist or that the login may not
+        use: replicas whose logins differ there would each write a journal of their own.
+        """
+        setting, current, login = conn.execute(
+            "SELECT current_setting('search_path'), current_schema(), current_user").fetchone() or ("", None, "")
+        names = pg_schema.search_path_schemas(setting)
+        if names[:1] == [pg_schema.USER_SCHEMA]:
+            exists = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %s)", (login,))
+            names[0:1] = [login] if exists.fetchone() == (True,) else []
+        if not names:
+            raise JournalNotFound(f"the journal {self.name} does not exist: its search_path names no schema")
+        schema = names[0]
+        if current == schema:
+            return schema
+        exists, usable = conn.execute(
+            "SELECT n.oid IS NOT NULL, coalesce(has_schema_privilege(n.oid, 'USAGE'), false) "
+            "FROM (SELECT 1) AS one LEFT JOIN pg_namespace n ON n.nspname = %s", (schema,)).fetchone() or (False, False)
+        if not exists:
+            raise JournalNotFound(f"the journal {self.name} does not exist: the schema {schema}, the first of its "
+                                  "search_path, does not exist; create it first (CREATE SCHEMA)")
+        if not usable:
+            raise JournalError(f"cannot open the journal {self.name}: the login {login} lacks USAGE on the schema "
+                               f"{schema}, the first of its search_path; grant it (GRANT USAGE ON SCHEMA)")
+        raise JournalError(f"cannot open the journal {self.name}: its statements reach the schema {current}, "
+                           f"not {schema}, the first of its search_path")
+
     def _inspect(self, conn: Conn) -> int:
         """The journal's schema version (0: an empty schema); raises for anything else."""
-        schema = conn.execute("SELECT current_schema()").fetchone()
-        if schema is None or schema[0] is None:
-            raise JournalNotFound(f"the journal {self.name} does not exist: no schema of its search_path exists")
+        schema = self.schema
         relations = [
             r[0] for r in conn.execute(
                 "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p', 'v', 'm', 'f') "
-                "ORDER BY c.relname"
+                "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'v', 'm', 'f') ORDER BY c.relname", (schema,)
             ).fetchall()
         ]
         if not relations:
@@ -673,7 +728,7 @@ class PostgresJournal(LogReads):
         if "airlock_journal_meta" not in relations:
             shown = ", ".join(relations[:5]) + (", ..." if len(relations) > 5 else "")
             raise NotAJournal(
-                f"{self.name} is not an airlock journal: schema {schema[0]} holds other tables ({shown}); "
+                f"{self.name} is not an airlock journal: schema {schema} holds other tables ({shown}); "
                 "it was left unchanged (use an empty database, or another schema via search_path)"
             )
         unlike = (f"{self.name} is not an airlock journal: its table airlock_journal_meta is not a journal's "
@@ -1222,11 +1277,14 @@ class PostgresJournal(LogReads):
 
         return self._write("rebuild the projection", work, pipeline=False)
 
-    def import_events(self, events: Iterable[JournalEvent]) -> int:
+    def import_events(self, events: Iterable[JournalEvent],
+                      check: Callable[[VerifyReport], None] | None = None) -> int:
         """Insert stored ``events`` (``seq`` from 1, in order) as they are, with their hashes, and the
-        projection folded from them, into this empty journal in one transaction; returns the number
-        of calls. Raises :class:`JournalError` when the journal already holds events (nothing is
-        changed then). Used by :func:`journal.copy.copy_journal`, which verifies the result."""
+        projection folded from them (replacing whatever rows the projection held), into this empty
+        journal in one transaction; returns the number of calls. ``check`` is given the report of
+        :meth:`verify` on the result before it commits, and raises to refuse it. Raises
+        :class:`JournalError` when the journal already holds events, or ``check`` refuses: nothing
+        is changed then. Used by :func:`journal.copy.copy_journal`."""
 
         def work(conn: Conn) -> int:
             seq = (conn.execute(_LOCK_HEAD).fetchone() or (0,))[0]
@@ -1239,11 +1297,16 @@ class PostgresJournal(LogReads):
                     copy.write_row(event_row(event))
                     fold_into(folded, event)
                     last = event
+            # The projection is the fold of these events alone: rows left from before (with no events
+            # of their own) would make calls the copied log never had.
+            conn.execute(b"DELETE FROM calls")
             with conn.cursor() as cur:
                 cur.executemany(_UPSERT_CALL, [call_row(r) for r in folded.values()])
             if last is not None:
                 conn.execute(_SET_HEAD, (last.seq, last.hash))
             conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
+            if check is not None:
+                check(self._verify(conn))  # before the commit: a copy refused leaves nothing behind
             return len(folded)
 
         # Not retried: the events are consumed as they are copied.

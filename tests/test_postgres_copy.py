@@ -144,6 +144,43 @@ def test_a_non_empty_postgres_destination_is_refused_and_unchanged(sqlite_source
     assert _pg_rows(pg_dsn) == before
 
 
+STALE_CALL = ("INSERT INTO calls VALUES ('stale', 't', 'pending', 1, NULL, NULL, NULL, NULL, NULL, NULL, 'guard', "
+              "NULL, '2026-01-01T00:00:00.000000Z', '2026-01-01T00:00:00.000000Z', '2026-01-01T00:00:00.000000Z', 7)")
+
+
+def test_a_stale_projection_row_of_an_empty_postgres_destination_is_replaced(sqlite_source: Path,
+                                                                           pg_dsn: str) -> None:
+    PostgresJournal(pg_dsn).close()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # left by a rebuild cut short, say: no events
+        conn.execute(STALE_CALL)
+    result = invoke("--from", str(sqlite_source), "--to", pg_dsn)
+    assert result.exit_code == 0, result.output
+    with SQLiteJournal(sqlite_source, readonly=True) as src, PostgresJournal(pg_dsn) as dst:
+        assert projection(dst) == projection(src)
+        assert dst.get("stale") is None
+        assert dst.verify().ok
+
+
+def test_a_copy_that_does_not_verify_leaves_the_postgres_destination_as_it_was(sqlite_source: Path,
+                                                                             pg_dsn: str) -> None:
+    PostgresJournal(pg_dsn).close()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(STALE_CALL)
+        # Something in the destination alters what is inserted: the copy's chain does not check.
+        conn.execute("CREATE FUNCTION retool() RETURNS trigger LANGUAGE plpgsql AS "
+                     "$$ BEGIN NEW.tool := 'other'; RETURN NEW; END $$")
+        conn.execute("CREATE TRIGGER retool BEFORE INSERT ON events FOR EACH ROW EXECUTE FUNCTION retool()")
+    before = _pg_rows(pg_dsn)
+    with pytest.raises(JournalError, match=r"does not verify: seq 1 has been altered.*destination left as it was"):
+        copy_journal(str(sqlite_source), pg_dsn)
+    assert _pg_rows(pg_dsn) == before
+    result = invoke("--from", str(sqlite_source), "--to", pg_dsn)
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: the copy in ") and "does not verify" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert _pg_rows(pg_dsn) == before
+
+
 def seed_more_pending(journal: Any) -> None:
     from guard.store import Decision, EffectEvent, Verdict
 
