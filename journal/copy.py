@@ -2,8 +2,8 @@
 
 The stored events are inserted as they are, the projection is recomputed by the fold (replacing any
 rows the destination's projection held), and the copy is verified: its chain must check and its
-head must equal the source's. A PostgreSQL destination is verified before the import commits, so a
-copy that does not verify leaves it as it was. The destination must hold no events; the source is
+head must equal the source's. The destination is verified inside the import's transaction, before
+it commits, so a copy that does not verify leaves it as it was. The destination must hold no events; the source is
 only read.
 """
 
@@ -62,7 +62,8 @@ def _folding(events: Iterable[JournalEvent], folded: dict[str, CallRecord]) -> I
         yield event
 
 
-def _import_sqlite(journal: SQLiteJournal, events: Iterable[JournalEvent]) -> int:
+def _import_sqlite(journal: SQLiteJournal, events: Iterable[JournalEvent],
+                   check: Callable[[VerifyReport], None] | None) -> int:
     folded: dict[str, CallRecord] = {}
 
     def step(conn: sqlite3.Connection) -> int:
@@ -75,6 +76,8 @@ def _import_sqlite(journal: SQLiteJournal, events: Iterable[JournalEvent]) -> in
         marks = ", ".join("?" * len(CALL_COLUMNS))
         conn.executemany(f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) VALUES ({marks})",
                          (call_row(r) for r in folded.values()))
+        if check is not None:
+            check(journal._verified_log(conn))  # raises to refuse the copy: the transaction is undone
         return len(folded)
 
     try:
@@ -88,18 +91,14 @@ def import_events(destination: Any, events: Iterable[JournalEvent],
     """Insert stored ``events`` (in ``seq`` order from 1) into the empty journal ``destination`` as
     they are, and its projection folded from them, in one transaction; returns the number of calls.
 
-    ``check`` is given the destination's verify report, and raises to refuse the copy: a
-    PostgreSQL destination is checked before its transaction commits, so a refused copy changes
-    nothing; a SQLite one after it has committed.
+    ``check`` is given the destination's verify report, and raises to refuse the copy: the
+    destination is checked before its transaction commits, so a refused copy changes nothing.
 
     Raises :class:`JournalError` when the destination is not empty (nothing is changed then) or
     the events do not follow one another.
     """
     if isinstance(destination, SQLiteJournal):
-        calls = _import_sqlite(destination, _check_chain(events))
-        if check is not None:
-            check(destination.verify())
-        return calls
+        return _import_sqlite(destination, _check_chain(events), check)
     importer = getattr(destination, "import_events", None)
     if importer is None:
         raise JournalError(f"cannot copy into {destination!r}: it is not a journal")
@@ -114,8 +113,8 @@ def copy_journal(
     on_total: Callable[[int], None] | None = None,
 ) -> CopyReport:
     """Copy the journal at ``source`` (a path or URL, only read) into ``destination`` (created when
-    missing, and it must hold no events), then verify the copy: a PostgreSQL destination before the
-    import commits, so a copy that does not verify leaves it as it was.
+    missing, and it must hold no events), then verify the copy before the import commits, so a
+    copy that does not verify leaves the destination as it was.
 
     ``on_total`` is told how many events will be copied, ``progress`` is called once per event.
     Raises :class:`JournalError` (and its kinds): a missing, foreign or broken source, a non-empty
@@ -147,8 +146,8 @@ def copy_from(
     if on_total is not None:
         on_total(last_seq)
     with open_journal(destination, create=True) as dst:
-        # A PostgreSQL destination is checked inside the import's transaction: refused, it is rolled back.
-        kept = "" if isinstance(dst, SQLiteJournal) else "; it was rolled back, and the destination left as it was"
+        # The destination is checked inside the import's transaction: refused, it is rolled back.
+        kept = "; it was rolled back, and the destination left as it was"
 
         def check(copied: VerifyReport) -> None:
             if not copied.ok or (copied.events, copied.head) != (last_seq, head):

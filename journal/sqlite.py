@@ -1164,34 +1164,39 @@ class SQLiteJournal(LogReads):
                     child.wait()
 
     def _verify(self, conn: sqlite3.Connection) -> VerifyReport:
-        check = ChainCheck()
-        folded: dict[str, CallRecord] = {}
         conn.execute("BEGIN")  # one read transaction: a snapshot that concurrent writers do not move
         try:
-            for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
-                try:
-                    expected = row_hash(row)
-                except (ValueError, TypeError, AttributeError) as e:
-                    check.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
-                    break
-                if not check.feed(row[0], row[14], row[15], expected):
-                    break
-                fold_row(folded, row)
-            if not check.ok:
-                return check.report()
-            for row in conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"):
-                expected_record = folded.pop(row[0], None)
-                if expected_record is None or record_row(expected_record) != row:
-                    seq = expected_record.last_seq if expected_record is not None else row[15]
-                    check.fail(seq, f"the projection of call {row[0]!r} differs from the log; run rebuild")
-                    return check.report()
-            if folded:
-                call_id, record = min(folded.items(), key=lambda item: item[1].last_seq)
-                check.fail(record.last_seq, f"the projection lacks call {call_id!r}; run rebuild")
-            return check.report()
+            return self._verified_log(conn)
         finally:
             if conn.in_transaction:
                 conn.execute("COMMIT")
+
+    def _verified_log(self, conn: sqlite3.Connection) -> VerifyReport:
+        """The report of :meth:`verify`, in one pass over what ``conn`` sees (in a transaction of
+        the caller's: a read snapshot, or a write not yet committed)."""
+        check = ChainCheck()
+        folded: dict[str, CallRecord] = {}
+        for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
+            try:
+                expected = row_hash(row)
+            except (ValueError, TypeError, AttributeError) as e:
+                check.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
+                break
+            if not check.feed(row[0], row[14], row[15], expected):
+                break
+            fold_row(folded, row)
+        if not check.ok:
+            return check.report()
+        for row in conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"):
+            expected_record = folded.pop(row[0], None)
+            if expected_record is None or record_row(expected_record) != row:
+                seq = expected_record.last_seq if expected_record is not None else row[15]
+                check.fail(seq, f"the projection of call {row[0]!r} differs from the log; run rebuild")
+                return check.report()
+        if folded:
+            call_id, record = min(folded.items(), key=lambda item: item[1].last_seq)
+            check.fail(record.last_seq, f"the projection lacks call {call_id!r}; run rebuild")
+        return check.report()
 
     def rebuild(self) -> int:
         """Rebuild the projection from the log through the fold, in one transaction; returns the
