@@ -27,11 +27,38 @@ DEFAULT_DB = "airlock-journal.db"
 DB_ENVVAR = "AIRLOCK_JOURNAL"
 
 
-class Group(click.Group):
-    """A click group that reports a journal error as ``Error: ...`` and exit 1, never a traceback.
+class UsageFailure(click.ClickException):
+    """A usage error (a missing, unknown or conflicting flag, a malformed value), reported as every
+    error is: one line ``Error: ...`` on stderr; exit 2."""
 
-    This is the one place where the journal's errors become the CLI's.
+    exit_code = 2
+
+
+# Click (8.2 on) asks for a group's help by raising this when the group is given no command.
+_HELP_WANTED: tuple[type[Exception], ...] = tuple(
+    kind for kind in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if kind is not None
+)
+
+
+def _usage_failure(error: click.UsageError) -> click.ClickException:
+    if isinstance(error, _HELP_WANTED):
+        return error  # prints the group's help, as click does
+    return UsageFailure(one_line(error.format_message()))
+
+
+class Group(click.Group):
+    """A click group that reports a journal error as ``Error: ...`` and exit 1, and a usage error
+    as ``Error: ...`` and exit 2: one line on stderr, never a traceback.
+
+    This is the one place where the journal's errors and click's usage errors become the CLI's.
     """
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            raise _usage_failure(e) from e
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         if sys.stdout is None:  # started with stdout closed (">&-"): writing to it fails, as a write does
@@ -50,6 +77,8 @@ class Group(click.Group):
             sys.stdout = ClosedStream()
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:
+            raise _usage_failure(e) from e
         except JournalNotFound as e:
             raise click.ClickException(then(e, f"Name the journal with --db or {DB_ENVVAR}.")) from e
         except JournalError as e:

@@ -180,6 +180,36 @@ def test_every_help_has_an_example(command: list[str]) -> None:
     assert "airlock " in result.stdout.split("Example:", 1)[1]
 
 
+USAGE_ERRORS = [
+    (["--bogus"], "--bogus"),  # click's own words differ between its versions: the flag is named
+    (["journal", "bogus"], "'bogus'"),
+    (["journal", "show", "--limit", "0"], "Invalid value for '--limit': 0 is not in the range x>=1."),
+    (["journal", "show", "--status", "lost"], "'--status'"),
+    (["journal", "resolve"], "CALL_ID"),
+    (["journal", "resolve", "c1", "--applied", "--not-applied", "--reason", "r"],
+     "give exactly one of --applied or --not-applied"),
+    (["journal", "export", "--format", "xml"], "'--format'"),
+    (["demo", "--bogus"], "--bogus"),
+]
+
+
+@pytest.mark.parametrize(("args", "named"), USAGE_ERRORS, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_a_usage_error_is_one_error_line_and_exit_2(args: list[str], named: str, db: Path) -> None:
+    before = digest(db)
+    result = invoke(*args, "--db", str(db)) if args[0] == "journal" and len(args) > 1 else invoke(*args)
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("Error: "), result.stderr
+    assert named in result.stderr
+    assert digest(db) == before
+
+
+def test_a_group_without_a_command_prints_its_help() -> None:
+    result = invoke("journal")
+    assert result.exit_code in (0, 2)  # 2 from click 8.2 on
+    assert "Usage: " in result.stdout + result.stderr and "Commands:" in result.stdout + result.stderr
+
+
 # -- the installed script ------------------------------------------------------------------------
 
 
