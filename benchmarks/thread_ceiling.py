@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,7 @@ class Model:
                 self.conn.execute("BEGIN IMMEDIATE")
                 for call, what, _ in batch:
                     self.seq += 1
-                    at = f"{time.time_ns()}"
+                    at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
                     self.conn.execute(_INSERT_EVENT, (
                         self.seq, at, call, what, "charge", "bench", "k" * 64, _ARGUMENTS, None, None, None,
                         "guard", 1, _OWNER, "0" * 64, "f" * 64))

@@ -1,0 +1,41 @@
+"""benchmarks/thread_ceiling.py: its model records what the journal records, and the script runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import thread_ceiling
+
+from journal import SQLiteJournal
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "thread_ceiling.py"
+
+
+def test_the_model_writes_the_journal_tables_a_journal_can_read(tmp_path: Path) -> None:
+    model = thread_ceiling.Model(tmp_path / "model.db", fsync=True)
+    thread_ceiling.rate(model.call, 4, 40)
+    model.conn.close()
+    with SQLiteJournal(tmp_path / "model.db", readonly=True) as journal:
+        calls = journal.calls(limit=None)
+        assert len(calls) == 40 and {c.status for c in calls} == {"committed"}
+        assert journal.count_events() == 80  # a pending and a committed a call
+
+
+def test_the_script_prints_the_bound_and_the_journal(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--rounds", "1", "--calls", "16",
+                             "--warmup", "0", "--threads", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-2].startswith("the bound for 2 threads at full") and lines[-2].endswith("x")
+    assert lines[-1].startswith("the journal at full, 2 threads / one: ")
+    assert list(tmp_path.iterdir()) == []  # its files are gone
+
+
+def test_a_bad_size_is_a_usage_error(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--threads", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--threads is a number, 1 or more" in result.stderr
