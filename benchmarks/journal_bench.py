@@ -3,6 +3,8 @@
 Prints, for durability "full" and "process": a guarded call with a fresh tool call id, and a
 replay, each against the floor measured in the same run on a file in the same directory (one raw
 BEGIN IMMEDIATE; INSERT; COMMIT at the same synchronous level), with the ratios and the targets.
+Then what the journal's own tables cost with no journal code: one raw transaction of an event row
+and its projection row, and the fresh calls against two of them.
 
     python benchmarks/journal_bench.py [--dir DIR] [--calls N] [--rounds R] [--warmup W]
 """
@@ -17,12 +19,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from guard import Airlock, AirlockContext, SecurityPolicy
 from guard.effect_guard import EffectGuard
 from journal import SQLiteJournal
+from journal.rows import CALL_COLUMNS, EVENT_COLUMNS
 
 _ROW = ("2026-12-01T05:23:06.123456Z", "call-000000", "pending", "charge", "agent-1", "k" * 64,
         '{"account":"acct-1","cents":500}', "guard", 1, '{"host":"bench","pid":1}', "0" * 64, "f" * 64)
@@ -42,6 +46,36 @@ def floor(path: Path, synchronous: str) -> Callable[[int], float]:
             conn.execute("BEGIN IMMEDIATE")
             conn.execute("INSERT INTO events (at, call_id, kind, tool, agent_id, idempotency_key, arguments, "
                          "actor, attempt, owner, prev_hash, hash) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", _ROW)
+            conn.execute("COMMIT")
+        return (time.perf_counter() - start) / n
+
+    return run
+
+
+def schema_floor(path: Path, synchronous: str) -> Callable[[int], float]:
+    """One raw transaction of what a guarded call's ``pending`` must write, in the journal's own
+    tables and indexes (a file made by SQLiteJournal): an event row and its call's projection row,
+    with no journal code (no reads, no hashing, no decision). The least the schema allows."""
+    SQLiteJournal(path).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute(f"PRAGMA synchronous = {synchronous}")
+    events = ", ".join(EVENT_COLUMNS)
+    calls = ", ".join(CALL_COLUMNS)
+    insert_event = f"INSERT INTO events ({events}) VALUES ({', '.join('?' * len(EVENT_COLUMNS))})"
+    insert_call = f"INSERT INTO calls ({calls}) VALUES ({', '.join('?' * len(CALL_COLUMNS))})"
+    seq = [0]
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            seq[0] += 1
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
+            at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(insert_event, (seq[0], at, call_id, "pending", *_ROW[3:7], None, None, None, "guard", 1,
+                                        _ROW[9], "0" * 64, "f" * 64))
+            conn.execute(insert_call, (call_id, "charge", "pending", 1, *_ROW[4:7], None, None, None, "guard",
+                                       _ROW[9], at, at, at, seq[0]))
             conn.execute("COMMIT")
         return (time.perf_counter() - start) / n
 
@@ -146,6 +180,8 @@ def main() -> None:
         runs = {
             "floor FULL": floor(d / "floor-full.db", "FULL"),
             "floor NORMAL": floor(d / "floor-normal.db", "NORMAL"),
+            "schema FULL": schema_floor(d / "schema-full.db", "FULL"),
+            "schema NORMAL": schema_floor(d / "schema-normal.db", "NORMAL"),
             "fresh full": guarded_calls(d / "fresh-full.db", "full", replay=False),
             "replay full": guarded_calls(d / "replay-full.db", "full", replay=True),
             "fresh process": guarded_calls(d / "fresh-process.db", "process", replay=False),
@@ -153,7 +189,7 @@ def main() -> None:
             "threads shared": threaded_calls(d, shared=True),
             "threads each": threaded_calls(d, shared=False),
         }
-        synced = {"floor FULL", "fresh full"}
+        synced = {"floor FULL", "schema FULL", "fresh full"}
         t = measure(runs, {name: n_sync if name in synced else n for name in runs}, options.rounds, options.warmup)
     print(f"files in {options.dir or tempfile.gettempdir()}; median of {options.rounds} rounds, "
           f"after {options.warmup} calls of each run")
@@ -176,6 +212,19 @@ def main() -> None:
             if target is not None:
                 line += f"{target:8.2f}x  {'ok' if ratio <= target else 'MISSED'}"
         print(line)
+    # How much of the ratios the journal's tables make, written with no journal code at all: a
+    # fresh call must write two such transactions (pending, then its outcome), one of them synced
+    # at full.
+    print("what the journal's tables cost alone (raw statements: an event row and its projection row):")
+    print(f"{'  one transaction, FULL':34}{t['schema FULL'] * 1e6:10.1f}us{t['schema FULL'] / t['floor FULL']:8.2f}x"
+          "  the FULL floor")
+    print(f"{'  one transaction, NORMAL':34}{t['schema NORMAL'] * 1e6:10.1f}us"
+          f"{t['schema NORMAL'] / t['floor NORMAL']:8.2f}x  the NORMAL floor")
+    least_full, least_process = t["schema FULL"] + t["schema NORMAL"], 2 * t["schema NORMAL"]
+    print(f"  fresh call at full    {t['fresh full'] / least_full:5.2f}x its two transactions "
+          f"(those alone: {least_full / t['floor FULL']:.2f}x the FULL floor)")
+    print(f"  fresh call at process {t['fresh process'] / least_process:5.2f}x its two transactions "
+          f"(those alone: {least_process / t['floor NORMAL']:.2f}x the NORMAL floor)")
 
 
 if __name__ == "__main__":
