@@ -1,4 +1,5 @@
-"""benchmarks/thread_ceiling.py: its model records what the journal records, and the script runs."""
+"""The benchmark scripts run and print their figures: thread_ceiling.py (whose model records what the
+journal records) and journal_bench.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import thread_ceiling
 
 from journal import SQLiteJournal
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "thread_ceiling.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCHMARKS / "thread_ceiling.py"
 
 
 def test_the_model_writes_the_journal_tables_a_journal_can_read(tmp_path: Path) -> None:
@@ -39,3 +41,16 @@ def test_a_bad_size_is_a_usage_error(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--threads", "0"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--threads is a number, 1 or more" in result.stderr
+
+
+def test_journal_bench_prints_the_floors_the_calls_and_the_tables_alone(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "journal_bench.py"), "--dir", str(tmp_path),
+                             "--calls", "16", "--rounds", "1", "--warmup", "1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for label in ("floor: raw txn, synchronous=FULL", "fresh call, durability=full", "replay, durability=process",
+                  "  one transaction, NORMAL", "  fresh call at process "):
+        assert label in out
+    assert out.splitlines()[-1].endswith("the NORMAL floor)")
+    assert list(tmp_path.iterdir()) == []
