@@ -65,7 +65,8 @@ def _echo_lines(lines: list[str]) -> None:
 
 @journal.command()
 @click.argument("call_id", required=False, type=TEXT)
-@click.option("--status", type=click.Choice(STATUSES, case_sensitive=False), help="Only calls in this status.")
+@click.option("--status", "statuses", type=click.Choice(STATUSES, case_sensitive=False), multiple=True,
+              help="Only calls in this status; given more than once, in any of them.")
 @click.option("--tool", type=TEXT, help="Only calls of this tool.")
 @click.option("--agent", "agent_id", type=TEXT, help="Only calls of this agent.")
 @click.option("--since", type=MOMENT, help="Only calls updated since: ISO-8601, or an age like 10m, 2h, 3d.")
@@ -76,7 +77,7 @@ def _echo_lines(lines: list[str]) -> None:
 def show(
     ctx: click.Context,
     call_id: str | None,
-    status: str | None,
+    statuses: tuple[str, ...],
     tool: str | None,
     agent_id: str | None,
     since: datetime | None,
@@ -96,10 +97,13 @@ def show(
         airlock journal show --status unknown --since 2h
 
     \b
+        airlock journal show --status pending --status unknown
+
+    \b
         airlock journal show call_7Qx2 --json
     """
     if call_id is not None:
-        filters = {"status": "--status", "tool": "--tool", "agent_id": "--agent", "since": "--since",
+        filters = {"statuses": "--status", "tool": "--tool", "agent_id": "--agent", "since": "--since",
                    "limit": "--limit"}
         given = [flag for name, flag in filters.items()
                  if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
@@ -112,6 +116,7 @@ def show(
     with open_journal(db, readonly=True, create=False) as j:
         # One more than asked for tells whether the list was cut at --limit; a larger --limit is all.
         limit = min(limit, MOST_CALLS)
+        status = statuses[0] if len(statuses) == 1 else (statuses or None)
         records = j.calls(status=status, tool=tool, agent_id=agent_id, since=since, limit=limit + 1)
         cut = len(records) > limit
         records = records[:limit]

@@ -1077,15 +1077,21 @@ class PostgresJournal(LogReads):
     def calls(
         self,
         *,
-        status: str | None = None,
+        status: str | Sequence[str] | None = None,
         tool: str | None = None,
         agent_id: str | None = None,
         since: datetime | None = None,
         limit: int | None = 50,
     ) -> list[CallRecord]:
-        """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status,
-        tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
-        where, params = [], []
+        """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status
+        (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
+        where: list[str] = []
+        params: list[Any] = []
+        if status is not None and not isinstance(status, str):
+            statuses = [s for s in status if holds(s, nul=False)]
+            where.append(f"status IN ({', '.join(['%s'] * len(statuses))})" if statuses else "false")
+            params.extend(statuses)
+            status = None
         for column, value in (("status", status), ("tool", tool), ("agent_id", agent_id)):
             if value is not None:
                 if not holds(value, nul=False):  # no call can have it

@@ -890,16 +890,21 @@ class SQLiteJournal(LogReads):
     def calls(
         self,
         *,
-        status: str | None = None,
+        status: str | Sequence[str] | None = None,
         tool: str | None = None,
         agent_id: str | None = None,
         since: datetime | None = None,
         limit: int | None = 50,
     ) -> list[CallRecord]:
-        """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status,
-        tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
+        """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status
+        (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
         clauses: list[str] = ["1"]
         params: list[Any] = []
+        if status is not None and not isinstance(status, str):
+            statuses = [s for s in status if holds(s)]
+            clauses.append(f"status IN ({', '.join('?' * len(statuses))})" if statuses else "0")
+            params.extend(statuses)
+            status = None
         for column, wanted in (("status", status), ("tool", tool), ("agent_id", agent_id)):
             if wanted is not None:
                 if not holds(wanted):  # no call can have it

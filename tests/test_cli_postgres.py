@@ -38,6 +38,11 @@ def test_show_list_and_one_call(dsn: str) -> None:
     unknown = invoke("journal", "show", "--status", "unknown", "--db", dsn)
     assert unknown.exit_code == 0
     assert unknown.stdout.splitlines()[1].split()[:3] == ["call-timeout", "charge", "unknown"]
+    in_doubt = invoke("journal", "show", "--status", "unknown", "--status", "released", "--json", "--db", dsn)
+    assert [c["call_id"] for c in json_lines(in_doubt.stdout)] == ["call-failed", "call-timeout"]
+    with open_journal(dsn, readonly=True) as journal:
+        assert journal.calls(status=()) == []
+        assert [c.call_id for c in journal.calls(status=["unknown", "a\x00"])] == ["call-timeout"]
     one = orjson.loads(invoke("journal", "show", "call-timeout", "--json", "--db", dsn).stdout)
     assert [e["kind"] for e in one["events"]] == ["pending", "unknown", "refused"]
     refused_only = orjson.loads(invoke("journal", "show", "call-refused", "--json", "--db", dsn).stdout)

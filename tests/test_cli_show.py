@@ -77,6 +77,8 @@ def test_show_json_lines_have_the_call_fields(db: Path) -> None:
     [
         (["--status", "unknown"], ["call-timeout"]),
         (["--status", "committed"], ["call-read", "call-ok"]),
+        (["--status", "unknown", "--status", "released"], ["call-failed", "call-timeout"]),
+        (["--status", "UNKNOWN", "--status", "unknown"], ["call-timeout"]),
         (["--tool", "read_balance"], ["call-read"]),
         (["--agent", "agent-2"], ["call-read"]),
         (["--limit", "2"], ["call-read", "call-failed"]),

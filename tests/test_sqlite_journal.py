@@ -77,6 +77,9 @@ def test_calls_are_newest_first_and_filtered(journal: SQLiteJournal) -> None:
     journal.append(event("refused", "c9", minute=5, reason={"code": "policy_violation", "message": "no"}))
     assert [c.call_id for c in journal.calls()] == ["c1", "c3", "c2"]
     assert [c.call_id for c in journal.calls(status="pending")] == ["c3", "c2"]
+    assert [c.call_id for c in journal.calls(status=("pending", "committed"))] == ["c1", "c3", "c2"]
+    assert [c.call_id for c in journal.calls(status=["committed", "unknown"])] == ["c1"]
+    assert journal.calls(status=()) == [] and journal.calls(status=["unknown", "\udcff"]) == []
     assert [c.call_id for c in journal.calls(tool="refund")] == ["c2"]
     assert [c.call_id for c in journal.calls(agent_id="a1")] == ["c1", "c3"]
     assert [c.call_id for c in journal.calls(since=T0 + timedelta(minutes=3))] == ["c1", "c3"]
