@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import stat
@@ -288,8 +289,8 @@ def resolve(
 @journal.command()
 @click.option("--format", "fmt", type=click.Choice(("jsonl", "csv")), default="jsonl", show_default=True,
               help="JSON Lines (one event a line) or CSV (a header row, JSON values as text).")
-@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="Write to this file instead of stdout.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True, allow_dash=True, path_type=Path),
+              help="Write to this file instead of stdout ('-': stdout).")
 @click.option("--since", type=MOMENT, help="Only events at or after: ISO-8601, or an age like 10m, 2h, 3d.")
 @click.option("--until", type=MOMENT, help="Only events before this time.")
 @click.option("--call", "call_id", type=TEXT, help="Only the events of this call.")
@@ -326,6 +327,8 @@ def export(
     """
     if output == Path("."):  # click makes an empty --output the current directory
         raise click.BadParameter("is empty: name the file to write the export to", param_hint="'--output' / '-o'")
+    if output == Path("-"):  # the usual name for stdout; a file named so is ./- in full
+        output = None
     redacted = frozenset().union(*redact)  # every --redact given counts: none is dropped
     filters: dict[str, Any] = {"call_id": call_id, "tool": tool, "agent_id": agent_id, "since": since, "until": until}
     journal_file = None if output is None else _journal_file(output, db)
@@ -410,8 +413,8 @@ def _write_export(j: Any, filters: dict[str, Any], out: BinaryIO, fmt: str, reda
 
 @journal.command()
 # A file that is not there (or is a directory) is an error, exit 1, as a journal that is not there is.
-@click.option("--export", "export_file", type=click.Path(path_type=Path),
-              help="Check this exported JSON Lines file offline instead of the journal.")
+@click.option("--export", "export_file", type=click.Path(allow_dash=True, path_type=Path),
+              help="Check this exported JSON Lines file offline instead of the journal ('-': stdin).")
 @click.option("--allow-gaps", is_flag=True, help="With --export: accept gaps in seq (a filtered export has them).")
 @json_option
 @db_option
@@ -429,18 +432,22 @@ def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -
 
     \b
         airlock journal verify --export audit.jsonl --allow-gaps
+
+    \b
+        airlock journal export --since 1d | airlock journal verify --export - --allow-gaps
     """
     if allow_gaps and export_file is None:
         raise click.UsageError("--allow-gaps goes with --export FILE")
     if export_file is not None:
+        from_stdin = str(export_file) == "-"
+        source = "the export on stdin" if from_stdin else str(export_file)
         try:
-            with export_file.open("rb") as stream:
+            with contextlib.nullcontext(sys.stdin.buffer) if from_stdin else export_file.open("rb") as stream:
                 report = verify_lines(read_export(stream), allow_gaps=allow_gaps)
         except NotJsonLines as e:
-            raise click.ClickException(f"{export_file} is not a JSON Lines export: {e}") from e
+            raise click.ClickException(f"{source} is not a JSON Lines export: {e}") from e
         except OSError as e:
-            raise click.ClickException(f"cannot read {export_file}: {e.strerror or e}") from e
-        source = str(export_file)
+            raise click.ClickException(f"cannot read {source}: {e.strerror or e}") from e
     else:
         with open_journal(db, readonly=True, create=False) as j:
             report = j.verify()

@@ -311,3 +311,24 @@ def test_every_json_line_is_one_line_to_splitlines(tmp_path: Path, request: pyte
     exported_file.write_text(outputs["export"].stdout)
     verified = invoke("journal", "verify", "--export", str(exported_file))
     assert verified.exit_code == 0, verified.output  # the digests are of the values, unchanged
+
+
+def test_dash_is_stdout_for_export_and_stdin_for_verify(db: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    whole = invoke("journal", "export", "--db", str(db))
+    dashed = invoke("journal", "export", "--db", str(db), "-o", "-")
+    assert dashed.exit_code == 0 and dashed.stdout == whole.stdout and dashed.stderr == ""
+    assert not (tmp_path / "-").exists()
+
+    checked = invoke("journal", "verify", "--export", "-", input=whole.stdout)
+    assert checked.exit_code == 0, checked.output
+    head = orjson.loads(whole.stdout.splitlines()[-1])["hash"]
+    assert checked.stdout == f"OK: {count_events(db)} events, head {head}\n"
+    one_call = invoke("journal", "export", "--db", str(db), "--call", "call-timeout").stdout
+    gaps = invoke("journal", "verify", "--export", "-", input=one_call)
+    assert gaps.exit_code == 1 and gaps.stderr.startswith("Error: the export on stdin does not verify at seq ")
+    assert invoke("journal", "verify", "--export", "-", "--allow-gaps", input=one_call).exit_code == 0
+    broken = invoke("journal", "verify", "--export", "-", input="{not json\n")
+    assert broken.exit_code == 1
+    assert broken.stderr.startswith("Error: the export on stdin is not a JSON Lines export: line 1 is not JSON")
