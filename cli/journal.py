@@ -441,6 +441,8 @@ def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -
     if export_file is not None:
         from_stdin = str(export_file) == "-"
         source = "the export on stdin" if from_stdin else str(export_file)
+        if from_stdin and sys.stdin is None:  # started with stdin closed ("<&-")
+            raise click.ClickException(f"cannot read {source}: stdin is closed")
         try:
             with contextlib.nullcontext(sys.stdin.buffer) if from_stdin else export_file.open("rb") as stream:
                 report = verify_lines(read_export(stream), allow_gaps=allow_gaps)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import os
+import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import pytest
 from journal import SQLiteJournal
 from journal.export import CSV_COLUMNS
 from journal.postgres import PostgresJournal
-from tests.cli_support import Tools, count_events, digest, invoke, rows, run_airlock, run_on_terminal, seed
+from tests.cli_support import AIRLOCK, Tools, count_events, digest, invoke, rows, run_airlock, run_on_terminal, seed
 
 SECTION_3_FIELDS = {
     "seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments", "value", "error",
@@ -332,3 +334,10 @@ def test_dash_is_stdout_for_export_and_stdin_for_verify(db: Path, tmp_path: Path
     broken = invoke("journal", "verify", "--export", "-", input="{not json\n")
     assert broken.exit_code == 1
     assert broken.stderr.startswith("Error: the export on stdin is not a JSON Lines export: line 1 is not JSON")
+
+
+def test_verify_export_dash_with_stdin_closed_is_one_error_line(db: Path) -> None:
+    done = subprocess.run([AIRLOCK, "journal", "verify", "--export", "-"], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60, preexec_fn=lambda: os.close(0))
+    assert done.returncode == 1
+    assert done.stderr == "Error: cannot read the export on stdin: stdin is closed\n"
