@@ -30,6 +30,9 @@ class CuttingProxy:
         self.port = self.listener.getsockname()[1]
         self.clients: list[socket.socket] = []
         self.servers: list[socket.socket] = []
+        # A cut resets the clients of that moment only: a connection the journal makes again right
+        # after it (accepted while the cut is under way) must go through.
+        self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -43,8 +46,9 @@ class CuttingProxy:
             except OSError:  # the server is down (restarting): this client is refused, as it would be
                 client.close()
                 continue
-            self.clients.append(client)
-            self.servers.append(upstream)
+            with self.lock:
+                self.clients.append(client)
+                self.servers.append(upstream)
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
@@ -59,12 +63,13 @@ class CuttingProxy:
             b.shutdown(socket.SHUT_WR)
 
     def cut_clients(self) -> None:
-        for client in self.clients:
+        with self.lock:
+            clients, self.clients = self.clients, []
+        for client in clients:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             with contextlib.suppress(OSError):
                 client.shutdown(socket.SHUT_RDWR)
             client.close()
-        self.clients = []
 
     def close(self) -> None:
         self.listener.close()
