@@ -3,8 +3,8 @@
 The stored events are inserted as they are, the projection is recomputed by the fold (replacing any
 rows the destination's projection held), and the copy is verified: its chain must check and its
 head must equal the source's. The destination is verified inside the import's transaction, before
-it commits, so a copy that does not verify leaves it as it was. The destination must hold no events; the source is
-only read.
+it commits, so a copy that does not verify leaves it as it was. The destination must hold no
+events; the source is only read.
 """
 
 from __future__ import annotations
@@ -76,9 +76,11 @@ def _import_sqlite(journal: SQLiteJournal, events: Iterable[JournalEvent],
         marks = ", ".join("?" * len(CALL_COLUMNS))
         conn.executemany(f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) VALUES ({marks})",
                          (call_row(r) for r in folded.values()))
+        calls = len(folded)
+        folded.clear()  # the check folds the log again: one fold in memory at a time
         if check is not None:
             check(journal._verified_log(conn))  # raises to refuse the copy: the transaction is undone
-        return len(folded)
+        return calls
 
     try:
         return journal._write("FULL", step)
