@@ -117,8 +117,7 @@ def show(
     with open_journal(db, readonly=True, create=False) as j:
         # One more than asked for tells whether the list was cut at --limit; a larger --limit is all.
         limit = min(limit, MOST_CALLS)
-        status = statuses[0] if len(statuses) == 1 else (statuses or None)
-        records = j.calls(status=status, tool=tool, agent_id=agent_id, since=since, limit=limit + 1)
+        records = j.calls(status=statuses or None, tool=tool, agent_id=agent_id, since=since, limit=limit + 1)
         cut = len(records) > limit
         records = records[:limit]
         if as_json:

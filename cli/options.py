@@ -35,9 +35,7 @@ class UsageFailure(click.ClickException):
 
 
 # Click (8.2 on) asks for a group's help by raising this when the group is given no command.
-_HELP_WANTED: tuple[type[Exception], ...] = tuple(
-    kind for kind in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if kind is not None
-)
+_HELP_WANTED: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())  # () on click 8.1: nothing matches
 
 
 def _usage_failure(error: click.UsageError) -> click.ClickException:

@@ -149,12 +149,12 @@ def copy_from(
         on_total(last_seq)
     with open_journal(destination, create=True) as dst:
         # The destination is checked inside the import's transaction: refused, it is rolled back.
-        kept = "; it was rolled back, and the destination left as it was"
 
         def check(copied: VerifyReport) -> None:
             if not copied.ok or (copied.events, copied.head) != (last_seq, head):
                 raise JournalError(
-                    f"the copy in {_name(dst)} does not verify: {copied.problem or 'its head differs'}{kept}"
+                    f"the copy in {_name(dst)} does not verify: {copied.problem or 'its head differs'}"
+                    "; it was rolled back, and the destination left as it was"
                 )
 
         calls = import_events(dst, _bounded(src.events(), last_seq, progress), check)
