@@ -1,11 +1,13 @@
 """The benchmark scripts run and print their figures: thread_ceiling.py (whose model records what the
-journal records) and journal_bench.py."""
+journal records), journal_bench.py and postgres_bench.py."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -54,3 +56,17 @@ def test_journal_bench_prints_the_floors_the_calls_and_the_tables_alone(tmp_path
         assert label in out
     assert out.splitlines()[-1].endswith("the NORMAL floor)")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.postgres
+def test_postgres_bench_prints_the_ratios_and_the_fsync_the_target_needs(pg_dsn: str) -> None:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "postgres_bench.py"), "--dsn", pg_dsn,
+                             "--calls", "10", "--rounds", "1", "--procs", "2", "--seconds", "0.5"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for label in ("(the floor)", "committed without waiting for the flush", "fresh guarded call / floor:",
+                  "the floor's wait for its fsync", "guarded fresh calls (2 transactions each)"):
+        assert label in out
+    line = next(x for x in out.splitlines() if "a fresh call is within 2x of the floor" in x)
+    assert "whatever" in line or float(line.split("takes ")[1].split(" ms")[0]) > 0
