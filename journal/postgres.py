@@ -36,7 +36,7 @@ from psycopg.sql import SQL, Identifier
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from guard.canonical import NotCanonical
-from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at
+from guard.store import CallRecord, Decide, Decision, EffectEvent, apply
 
 from . import pg_schema
 from .chain import GENESIS, ChainCheck, hash_of
@@ -44,7 +44,7 @@ from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, Sto
 from .events import JournalEvent, JournalStats, VerifyReport
 from .open import without_secrets
 from .projection import fold_into
-from .reading import LogReads
+from .reading import LogReads, call_filter, event_filter
 from .rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
@@ -1085,23 +1085,7 @@ class PostgresJournal(LogReads):
     ) -> list[CallRecord]:
         """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status
         (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
-        where: list[str] = []
-        params: list[Any] = []
-        if status is not None and not isinstance(status, str):
-            statuses = [s for s in status if holds(s, nul=False)]
-            where.append(f"status IN ({', '.join(['%s'] * len(statuses))})" if statuses else "false")
-            params.extend(statuses)
-            status = None
-        for column, value in (("status", status), ("tool", tool), ("agent_id", agent_id)):
-            if value is not None:
-                if not holds(value, nul=False):  # no call can have it
-                    where.append("false")
-                    continue
-                where.append(f"{column} = %s")
-                params.append(value)
-        if since is not None:
-            where.append("updated_at >= %s")
-            params.append(format_at(since))
+        where, params = call_filter("%s", False, status, tool, agent_id, since)
         sql = _CALL_SELECT + (" WHERE " + " AND ".join(where) if where else "")
         sql += " ORDER BY updated_at DESC, call_id DESC"
         if limit is not None:
@@ -1115,21 +1099,8 @@ class PostgresJournal(LogReads):
         call_id: str | None, tool: str | None, agent_id: str | None,
         since: datetime | None, until: datetime | None,
     ) -> tuple[str, list[Any]]:
-        where, params = [], []
-        for column, value in (("call_id", call_id), ("tool", tool), ("agent_id", agent_id)):
-            if value is not None:
-                if not holds(value, nul=False):  # no event can have it
-                    where.append(" AND false")
-                    continue
-                where.append(f" AND {column} = %s")
-                params.append(value)
-        if since is not None:
-            where.append(" AND at >= %s")
-            params.append(format_at(since))
-        if until is not None:
-            where.append(" AND at < %s")
-            params.append(format_at(until))
-        return "".join(where), params
+        clauses, params = event_filter("%s", False, call_id, tool, agent_id, since, until)
+        return "".join(f" AND {c}" for c in clauses), params
 
     def event_rows(
         self,

@@ -2,20 +2,68 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from guard.store import CallRecord
+from guard.store import CallRecord, format_at
 
 from .events import JournalEvent
 from .export import csv_header, csv_lines, jsonl_lines, one_line_each
-from .rows import event_from_row, operator_event
+from .rows import event_from_row, holds, operator_event
 
-__all__ = ["LogReads"]
+__all__ = ["LogReads", "call_filter", "event_filter"]
 
 T = TypeVar("T")
 _LINES_A_BATCH = 1000
+
+
+def _filter(
+    mark: str, nul: bool, equal: Sequence[tuple[str, str | None]], after: tuple[str, datetime | None],
+    before: tuple[str, datetime | None] = ("", None),
+) -> tuple[list[str], list[Any]]:
+    """SQL conditions (joined with AND by the caller) and their parameters, ``mark`` the driver's
+    placeholder: each column of ``equal`` equal to its value (None: any), the time column of
+    ``after`` at or after its time, that of ``before`` before its time. ``nul``: the database holds
+    a NUL in a text (a value it cannot hold matches nothing)."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    for column, wanted in equal:
+        if wanted is not None:
+            if not holds(wanted, nul=nul):
+                clauses.append("1 = 0")
+                continue
+            clauses.append(f"{column} = {mark}")
+            params.append(wanted)
+    for (column, at), op in ((after, ">="), (before, "<")):
+        if at is not None:
+            clauses.append(f"{column} {op} {mark}")
+            params.append(format_at(at))
+    return clauses, params
+
+
+def call_filter(
+    mark: str, nul: bool, status: str | Sequence[str] | None, tool: str | None, agent_id: str | None,
+    since: datetime | None,
+) -> tuple[list[str], list[Any]]:
+    """The conditions of ``calls()``: status (one, or any of several), tool, agent and
+    ``updated_at >= since`` (see :func:`_filter`)."""
+    if status is None or isinstance(status, str):
+        return _filter(mark, nul, (("status", status), ("tool", tool), ("agent_id", agent_id)), ("updated_at", since))
+    statuses = [s for s in status if holds(s, nul=nul)]
+    clauses, params = _filter(mark, nul, (("tool", tool), ("agent_id", agent_id)), ("updated_at", since))
+    clauses.insert(0, f"status IN ({', '.join([mark] * len(statuses))})" if statuses else "1 = 0")
+    return clauses, [*statuses, *params]
+
+
+def event_filter(
+    mark: str, nul: bool, call_id: str | None, tool: str | None, agent_id: str | None,
+    since: datetime | None, until: datetime | None,
+) -> tuple[list[str], list[Any]]:
+    """The conditions of ``events()``: call, tool, agent and ``since <= at < until`` (see
+    :func:`_filter`)."""
+    return _filter(mark, nul, (("call_id", call_id), ("tool", tool), ("agent_id", agent_id)),
+                   ("at", since), ("at", until))
 
 
 class LogReads:

@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar, cast
 import orjson
 
 from guard.canonical import NotCanonical
-from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at, parse_at
+from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, parse_at
 
 from . import schema, sqlite_verify
 from .chain import GENESIS, ChainCheck, compute_hash
@@ -43,7 +43,7 @@ from .errors import (
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
 from .export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each, row_hash
 from .projection import fold_into, fold_row, record_row
-from .reading import LogReads
+from .reading import LogReads, call_filter, event_filter
 from .rows import event_from_row, holds, json_text, operator_event, record_from_row
 
 __all__ = ["SQLiteJournal"]
@@ -256,22 +256,8 @@ def _event_filter(
     call_id: str | None, tool: str | None, agent_id: str | None, since: datetime | None,
     until: datetime | None, after_seq: int,
 ) -> tuple[str, list[Any]]:
-    clauses: list[str] = ["seq > ?"]
-    params: list[Any] = [after_seq]  # params[0] is the keyset cursor of events()
-    for column, wanted in (("call_id", call_id), ("tool", tool), ("agent_id", agent_id)):
-        if wanted is not None:
-            if not holds(wanted):  # no event can have it
-                clauses.append("0")
-                continue
-            clauses.append(f"{column} = ?")
-            params.append(wanted)
-    if since is not None:
-        clauses.append("at >= ?")
-        params.append(format_at(since))
-    if until is not None:
-        clauses.append("at < ?")
-        params.append(format_at(until))
-    return " AND ".join(clauses), params
+    clauses, params = event_filter("?", True, call_id, tool, agent_id, since, until)
+    return " AND ".join(["seq > ?", *clauses]), [after_seq, *params]  # params[0]: the keyset cursor of events()
 
 
 class SQLiteJournal(LogReads):
@@ -898,24 +884,9 @@ class SQLiteJournal(LogReads):
     ) -> list[CallRecord]:
         """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status
         (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
-        clauses: list[str] = ["1"]
-        params: list[Any] = []
-        if status is not None and not isinstance(status, str):
-            statuses = [s for s in status if holds(s)]
-            clauses.append(f"status IN ({', '.join('?' * len(statuses))})" if statuses else "0")
-            params.extend(statuses)
-            status = None
-        for column, wanted in (("status", status), ("tool", tool), ("agent_id", agent_id)):
-            if wanted is not None:
-                if not holds(wanted):  # no call can have it
-                    clauses.append("0")
-                    continue
-                clauses.append(f"{column} = ?")
-                params.append(wanted)
-        if since is not None:
-            clauses.append("updated_at >= ?")
-            params.append(format_at(since))
-        sql = f"SELECT {_CALL_COLUMNS} FROM calls WHERE {' AND '.join(clauses)} ORDER BY updated_at DESC, call_id DESC"
+        clauses, params = call_filter("?", True, status, tool, agent_id, since)
+        sql = (f"SELECT {_CALL_COLUMNS} FROM calls WHERE {' AND '.join(['1', *clauses])} "
+               "ORDER BY updated_at DESC, call_id DESC")
         if limit is not None:
             if limit < 0:
                 raise ValueError(f"limit is a number of calls, 0 or more, not {limit}")
