@@ -19,13 +19,12 @@ _LINES_A_BATCH = 1000
 
 
 def _filter(
-    mark: str, nul: bool, equal: Sequence[tuple[str, str | None]], after: tuple[str, datetime | None],
-    before: tuple[str, datetime | None] = ("", None),
+    mark: str, nul: bool, equal: Sequence[tuple[str, str | None]], times: Sequence[tuple[str, datetime | None]],
 ) -> tuple[list[str], list[Any]]:
     """SQL conditions (joined with AND by the caller) and their parameters, ``mark`` the driver's
-    placeholder: each column of ``equal`` equal to its value (None: any), the time column of
-    ``after`` at or after its time, that of ``before`` before its time. ``nul``: the database holds
-    a NUL in a text (a value it cannot hold matches nothing)."""
+    placeholder: each column of ``equal`` equal to its value, each comparison of ``times`` (like
+    ``"at <"``) with its time; a None value is no condition. ``nul``: the database holds a NUL in a
+    text (a value it cannot hold matches nothing)."""
     clauses: list[str] = []
     params: list[Any] = []
     for column, wanted in equal:
@@ -35,9 +34,9 @@ def _filter(
                 continue
             clauses.append(f"{column} = {mark}")
             params.append(wanted)
-    for (column, at), op in ((after, ">="), (before, "<")):
+    for comparison, at in times:
         if at is not None:
-            clauses.append(f"{column} {op} {mark}")
+            clauses.append(f"{comparison} {mark}")
             params.append(format_at(at))
     return clauses, params
 
@@ -48,12 +47,13 @@ def call_filter(
 ) -> tuple[list[str], list[Any]]:
     """The conditions of ``calls()``: status (one, or any of several), tool, agent and
     ``updated_at >= since`` (see :func:`_filter`)."""
+    updated = (("updated_at >=", since),)
     if status is None or isinstance(status, str):
-        return _filter(mark, nul, (("status", status), ("tool", tool), ("agent_id", agent_id)), ("updated_at", since))
+        return _filter(mark, nul, (("status", status), ("tool", tool), ("agent_id", agent_id)), updated)
+    clauses, params = _filter(mark, nul, (("tool", tool), ("agent_id", agent_id)), updated)
     statuses = [s for s in status if holds(s, nul=nul)]
-    clauses, params = _filter(mark, nul, (("tool", tool), ("agent_id", agent_id)), ("updated_at", since))
-    clauses.insert(0, f"status IN ({', '.join([mark] * len(statuses))})" if statuses else "1 = 0")
-    return clauses, [*statuses, *params]
+    any_of = f"status IN ({', '.join([mark] * len(statuses))})" if statuses else "1 = 0"
+    return [any_of, *clauses], [*statuses, *params]
 
 
 def event_filter(
@@ -63,7 +63,7 @@ def event_filter(
     """The conditions of ``events()``: call, tool, agent and ``since <= at < until`` (see
     :func:`_filter`)."""
     return _filter(mark, nul, (("call_id", call_id), ("tool", tool), ("agent_id", agent_id)),
-                   ("at", since), ("at", until))
+                   (("at >=", since), ("at <", until)))
 
 
 class LogReads:
