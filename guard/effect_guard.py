@@ -145,6 +145,18 @@ class EffectGuard:
         require_approval_for_irreversible: escalate every call to an irreversible tool.
         target_args: an irreversible call must pass one of these arguments with a value.
         ambiguous_errors: the exceptions that record a call ``unknown`` instead of ``released``.
+        reconcile_on_retry: when a retry finds a non-reversible call in doubt and the tool has a
+            check (``@reconciled_by``), run the check before refusing (section 6 of the contract).
+        lease: seconds; while a tool runs its call's lease is renewed at least every ``lease / 3``
+            seconds, and a ``pending`` call whose lease ran out by the store's clock has no live owner.
+            None: no lease (a pending call's owner is judged by host and process).
+        id_scope: ``"global"`` keys a call on its ``tool_call_id`` alone; ``"agent"`` on
+            ``(agent_id, tool_call_id)``, so one agent's id never returns another agent's value.
+        duplicate_window: seconds; a call with a new ``tool_call_id`` whose idempotency key matches a
+            call of the same agent begun within the window and not released is answered as that
+            call (a re-planned copy). None: off.
+        on_event: called with each event the guard journaled, after it is stored, off the tool's
+            path; an exception in it is logged, never raised into the call.
     """
 
     def __init__(
@@ -154,6 +166,12 @@ class EffectGuard:
         require_approval_for_irreversible: bool = False,
         target_args: Iterable[str] = (),
         ambiguous_errors: Iterable[type[BaseException]] = DEFAULT_AMBIGUOUS_ERRORS,
+        *,
+        reconcile_on_retry: bool = True,
+        lease: float | None = None,
+        id_scope: Literal["global", "agent"] = "global",
+        duplicate_window: float | None = None,
+        on_event: Callable[[EffectEvent], Any] | None = None,
     ) -> None:
         if isinstance(target_args, str | bytes):
             raise TypeError("target_args takes a list of argument names, not a string")
@@ -172,6 +190,15 @@ class EffectGuard:
         for error in self.ambiguous_errors:
             if not (isinstance(error, type) and issubclass(error, BaseException)):
                 raise TypeError(f"ambiguous_errors takes exception classes, not {error!r}")
+        self.reconcile_on_retry = bool(reconcile_on_retry)
+        self.lease: float | None = _seconds("lease", lease)
+        if id_scope not in ("global", "agent"):
+            raise ValueError(f"id_scope is 'global' or 'agent', not {id_scope!r}")
+        self.id_scope: Literal["global", "agent"] = id_scope
+        self.duplicate_window: float | None = _seconds("duplicate_window", duplicate_window)
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event takes a callable (called with each journaled event), not {on_event!r}")
+        self.on_event = on_event
 
     def __repr__(self) -> str:
         return (
@@ -179,6 +206,15 @@ class EffectGuard:
             f"require_approval_for_irreversible={self.require_approval_for_irreversible}, "
             f"target_args={self.target_args!r})"
         )
+
+
+def _seconds(name: str, value: float | None) -> float | None:
+    """A positive, finite number of seconds, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} is a positive number of seconds or None, not {value!r}")
+    return float(value)
 
 
 def decide_attempt(
