@@ -406,13 +406,15 @@ def _context(call_id: str | None, agent_id: str | None, metadata: Mapping[str, A
 
 
 def dispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
-             agent_id: str | None = None, metadata: Mapping[str, Any] | None = None) -> Outcome:
+             agent_id: str | None = None, metadata: Mapping[str, Any] | None = None,
+             reraise: tuple[type[BaseException], ...] = ()) -> Outcome:
     """Run one tool call of a synchronous host.
 
     ``arguments`` is the model's JSON text, or an already decoded mapping. ``call_id`` becomes the
     context's ``metadata["tool_call_id"]``. Raises ``TypeError`` for an ``async def`` tool (use
     :func:`adispatch`) and for ``tools`` that are not guarded functions; every problem of the model's
-    making (an unknown tool, arguments that do not fit, a refusal, an exception) is an :class:`Outcome`.
+    making (an unknown tool, arguments that do not fit, a refusal, an exception) is an :class:`Outcome`,
+    except an exception of a type in ``reraise`` (a framework's own control flow), which propagates.
     """
     table = tool_table(tools)
     with _context(call_id, agent_id, metadata) as ctx:
@@ -426,6 +428,8 @@ def dispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
             return kwargs
         try:
             result = tool.fn(**kwargs)
+        except reraise:
+            raise
         except AirlockBlocked as blocked:
             return _blocked(tool, call_id, blocked)
         except Exception as e:
@@ -434,7 +438,8 @@ def dispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
 
 
 async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any, *,
-                    agent_id: str | None = None, metadata: Mapping[str, Any] | None = None) -> Outcome:
+                    agent_id: str | None = None, metadata: Mapping[str, Any] | None = None,
+                    reraise: tuple[type[BaseException], ...] = ()) -> Outcome:
     """Run one tool call of an async host: an ``async def`` tool is awaited, a ``def`` tool called.
 
     An awaitable that a ``def`` tool returns is awaited too (the guard has recorded that call
@@ -456,6 +461,8 @@ async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any
             result = tool.fn(**kwargs)
             if inspect.isawaitable(result):
                 result = await result
+        except reraise:
+            raise
         except AirlockBlocked as blocked:
             return _blocked(tool, call_id, blocked)
         except Exception as e:
