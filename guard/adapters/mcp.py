@@ -7,7 +7,10 @@ after a reconnect gets a new one (and the SDK uses that same request id as the p
 retry keeps the id, across reconnects and server restarts. A call without one is refused
 ``tool_call_id_required`` by the guard unless its tool is reversible.
 
-The ``mcp`` SDK is imported only when a server is built or a result made, never by importing this module.
+Served by a low-level server (:func:`serve`) or added to the SDK's ``MCPServer`` (:func:`add_tools`);
+a client sets the id with :func:`call_tool`, and an OpenAI Agents SDK agent with
+:func:`tool_meta_resolver`. The ``mcp`` SDK is imported only when a server is built or a result made,
+never by importing this module.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from ..canonical import to_json_value
 from ..refusal import is_refusal
 from ._dispatch import Outcome, Tools, field, refusal_text, tool_table, type_hints
 from ._dispatch import adispatch as _adispatch
+from ._signature import with_parameter
 
 if TYPE_CHECKING:
     from mcp.server.lowlevel import Server
+    from mcp.server.mcpserver import MCPServer
     from mcp.types import CallToolResult, Tool
 
-__all__ = ["META_KEY", "adispatch", "input_schema", "list_tools", "serve"]
+__all__ = ["META_KEY", "add_tools", "adispatch", "call_tool", "input_schema", "list_tools", "serve",
+           "tool_meta_resolver"]
 
 META_KEY = "tool_call_id"
 """The key of the request's ``_meta`` whose value becomes the call's ``tool_call_id``."""
@@ -151,3 +157,70 @@ def serve(tools: Tools, *, name: str = "airlock", version: str = "", instruction
         name, version=version, instructions=instructions,
         on_list_tools=on_list_tools, on_call_tool=on_call_tool,
     )
+
+
+def add_tools(server: MCPServer[Any], tools: Tools, *, agent_id: str | None = None,
+              meta_key: str = META_KEY) -> MCPServer[Any]:
+    """Add ``tools`` to an ``mcp.server.mcpserver.MCPServer`` (mcp 2's name for ``FastMCP``); returns it.
+
+    Each tool keeps its name, docstring and signature; the server derives its input schema and checks
+    the arguments as for any of its tools, then the call runs through the guard under
+    ``params._meta[meta_key]``, and its result is a ``CallToolResult`` as from :func:`adispatch`
+    (``isError`` true for a refusal or an exception). Raises ``TypeError`` or ``ValueError`` at once
+    for tools that are not ``@Airlock`` functions or share a name.
+    """
+    from mcp.server.mcpserver import Context
+
+    for tool_name, tool in tool_table(tools).items():
+        server.add_tool(_mcpserver_runner(tool_name, tool.fn, Context, agent_id, meta_key), name=tool_name,
+                        description=inspect.getdoc(tool.fn) or None, structured_output=False)
+    return server
+
+
+def _mcpserver_runner(tool_name: str, fn: Callable[..., Any], context_type: type, agent_id: str | None,
+                      meta_key: str) -> Callable[..., Any]:
+    table = {tool_name: fn}
+    context_name = ""
+
+    async def run(**kwargs: Any) -> CallToolResult:
+        ctx = kwargs.pop(context_name)
+        meta = ctx.request_context.meta if ctx is not None else None
+        params = {"name": tool_name, "arguments": kwargs, "_meta": dict(meta) if meta else {}}
+        return await adispatch(params, table, agent_id=agent_id, meta_key=meta_key)
+
+    from mcp.types import CallToolResult as Result
+
+    context_name = with_parameter(run, fn, "ctx", context_type, kind=inspect.Parameter.KEYWORD_ONLY,
+                                  returns=Result)
+    return run
+
+
+async def call_tool(session: Any, name: str, arguments: Mapping[str, Any] | None = None, *, tool_call_id: str,
+                    meta: Mapping[str, Any] | None = None, **kwargs: Any) -> CallToolResult:
+    """``session.call_tool(name, arguments, meta={..., "tool_call_id": tool_call_id})``.
+
+    ``session`` is an ``mcp.Client`` or a ``ClientSession``; ``tool_call_id`` is the model's id for
+    this call (an OpenAI ``tool_call.id``, an Anthropic ``tool_use.id``), which a resent call must
+    carry again. ``meta`` adds other ``_meta`` entries; ``kwargs`` (``read_timeout_seconds``, ...) go
+    to ``call_tool``. Raises ``ValueError``/``TypeError`` for an empty or non-string id.
+    """
+    if not isinstance(tool_call_id, str):
+        raise TypeError(f"tool_call_id is a string, not {type(tool_call_id).__name__}")
+    if not tool_call_id:
+        raise ValueError("tool_call_id is the model's id for this call, not an empty string")
+    result: CallToolResult = await session.call_tool(
+        name, dict(arguments) if arguments is not None else None,
+        meta={**(meta or {}), META_KEY: tool_call_id}, **kwargs,
+    )
+    return result
+
+
+def tool_meta_resolver(context: Any) -> dict[str, Any] | None:
+    """The ``_meta`` of an OpenAI Agents SDK MCP tool call: ``{"tool_call_id": <the model's call_id>}``.
+
+    Pass it as ``tool_meta_resolver=`` of ``MCPServerStdio``, ``MCPServerStreamableHttp`` or
+    ``MCPServerSse``; the SDK calls it with an ``MCPToolMetaContext`` whose ``run_context`` is the
+    tool call's ``ToolContext``. None (no ``_meta``) when the run context carries no call id.
+    """
+    call_id = getattr(getattr(context, "run_context", None), "tool_call_id", None)
+    return {META_KEY: call_id} if isinstance(call_id, str) and call_id else None
