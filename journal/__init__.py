@@ -2,6 +2,8 @@
 
 from .errors import (
     CallNotFound,
+    DiskFull,
+    JournalDamaged,
     JournalError,
     JournalNotFound,
     NewerSchema,
@@ -11,10 +13,14 @@ from .errors import (
 )
 from .events import JournalEvent, JournalStats, VerifyReport
 from .open import open_journal
+from .protocol import Journal
 from .sqlite import SQLiteJournal
 
 __all__ = [
     "CallNotFound",
+    "DiskFull",
+    "Journal",
+    "JournalDamaged",
     "JournalError",
     "JournalEvent",
     "JournalNotFound",

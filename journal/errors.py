@@ -4,6 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "CallNotFound",
+    "DiskFull",
+    "JournalDamaged",
     "JournalError",
     "JournalNotFound",
     "NewerSchema",
@@ -39,6 +41,15 @@ class NotResolvable(JournalError):
 
 class StoreBusy(JournalError):
     """The journal's write lock was not obtained before the busy deadline."""
+
+
+class DiskFull(JournalError):
+    """The file system holding the journal has no room left; nothing was changed."""
+
+
+class JournalDamaged(JournalError):
+    """The journal's file is known to be damaged (SQLite found it malformed): it refuses writes
+    until it is restored."""
 
 
 def unstorable(journal: str, e: ValueError) -> JournalError:

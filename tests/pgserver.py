@@ -34,6 +34,12 @@ import pytest
 __all__ = ["PgServer", "PgUnavailable", "fresh_database", "fresh_schema", "require_server", "server"]
 
 _SERVER_USER = "postgres"
+# How long pg_ctl waits for a start or a stop. A start after a crash (stop -m immediate) first
+# fsyncs every file of the data directory, which grows by a database per test: some 300 files, and
+# all that CREATE DATABASE wrote and the kernel has not yet flushed. On a loaded machine late in a test
+# run that took over a minute. The process running pg_ctl gets longer still, so that pg_ctl's
+# own error, with the server's log, is what a failure shows.
+_PG_CTL_WAIT = 600
 _ENV_DSN = "AIRLOCK_TEST_PG_DSN"
 
 
@@ -122,8 +128,8 @@ class PgServer:
             " -c max_connections=200 -c shared_buffers=32MB"
         )
         try:
-            self._cmd("pg_ctl", "-D", str(self.datadir), "-l", str(self.logfile), "-o", opts, "-w", "-t", "60",
-                      "start")
+            self._cmd("pg_ctl", "-D", str(self.datadir), "-l", str(self.logfile), "-o", opts, "-w", "-t",
+                      str(_PG_CTL_WAIT), "start", timeout=_PG_CTL_WAIT + 60)
         except subprocess.CalledProcessError as e:
             raise PgUnavailable(f"pg_ctl start failed: {e.stderr.strip()} {self._log_tail()}") from e
 
@@ -131,7 +137,8 @@ class PgServer:
         """Stop the server: ``fast`` (disconnect clients, clean shutdown) or ``immediate`` (a crash)."""
         if not self.managed:
             raise PgUnavailable(f"an external server ({_ENV_DSN}) is not stopped by the tests")
-        self._cmd("pg_ctl", "-D", str(self.datadir), "-m", mode, "-w", "-t", "60", "stop", check=False)
+        self._cmd("pg_ctl", "-D", str(self.datadir), "-m", mode, "-w", "-t", str(_PG_CTL_WAIT), "stop", check=False,
+                  timeout=_PG_CTL_WAIT + 60)
 
     def restart(self, mode: str = "fast", down_for: float = 0.0) -> None:
         """Stop the server, stay down ``down_for`` seconds, start it again on the same port."""
@@ -142,7 +149,7 @@ class PgServer:
     def running(self) -> bool:
         if not self.managed:
             return True
-        return self._cmd("pg_ctl", "-D", str(self.datadir), "status", check=False).returncode == 0
+        return self._cmd("pg_ctl", "-D", str(self.datadir), "status", check=False, timeout=600).returncode == 0
 
     def _log_tail(self) -> str:
         try:
@@ -173,7 +180,7 @@ def _start_managed() -> PgServer:
     srv = PgServer(dsn="", managed=True, bindir=bindir, root=root, user=user)
     try:
         srv._cmd("initdb", "-D", str(srv.datadir), "-A", "trust", "-U", "postgres", "-E", "UTF8",
-                 "--locale=C", "--no-sync", timeout=120)
+                 "--locale=C", "--no-sync", timeout=600)
     except subprocess.CalledProcessError as e:
         shutil.rmtree(root, ignore_errors=True)
         raise PgUnavailable(f"initdb failed: {e.stderr.strip()}") from e

@@ -693,7 +693,7 @@ def test_a_tag_put_on_while_the_first_call_reads_the_tags_is_obeyed_by_every_lat
         found = read_tags(fn)
         if threading.current_thread().name == "first-call":
             reading.set()
-            tagged.wait(5)  # the tag is put on while the first call is reading the old ones
+            tagged.wait(120)  # the tag is put on while the first call is reading the old ones
         return found
 
     monkeypatch.setattr(guard.airlock, "required_capabilities", slow_to_read)
@@ -705,13 +705,13 @@ def test_a_tag_put_on_while_the_first_call_reads_the_tags_is_obeyed_by_every_lat
 
     first = threading.Thread(target=first_call, name="first-call")
     first.start()
-    assert reading.wait(5)
+    assert reading.wait(120)
     tagger = threading.Thread(target=lambda: views.append(requires("admin")(logged(wipe_db))))
     tagger.start()
     tagger.join(0.2)  # done at once, or waiting for the first call to have read its tags
     tagged.set()
-    first.join(5)
-    tagger.join(5)
+    first.join(120)
+    tagger.join(120)
     with ctx("second"):
         assert views[0]()["block_reason"] == "capability_denied"
     with ctx("third"):
@@ -728,18 +728,18 @@ def test_two_tags_put_on_at_once_both_hold() -> None:
 
     def slow_union(existing: Any) -> frozenset[str]:
         merging.set()
-        other_done.wait(5)  # another @requires is put on meanwhile
+        other_done.wait(120)  # another @requires is put on meanwhile
         return frozenset(existing or ()) | {"payments:write"}
 
     first = threading.Thread(target=tag_along, args=(guarded, guard.policy._REQUIRES_ATTR, slow_union))
     first.start()
-    assert merging.wait(5)
+    assert merging.wait(120)
     second = threading.Thread(target=requires("admin"), args=(guarded,))
     second.start()
     second.join(0.2)
     other_done.set()
-    first.join(5)
-    second.join(5)
+    first.join(120)
+    second.join(120)
     with ctx("c1"):
         refusal = guarded(1)
     assert refusal["metadata"]["missing_capabilities"] == ["admin", "payments:write"]

@@ -94,6 +94,40 @@ def events_of(dsn: str) -> list[tuple[Any, ...]]:
         return conn.execute("SELECT seq, kind, call_id, attempt FROM events ORDER BY seq").fetchall()
 
 
+# Waits here end when what they wait for is seen; the bound is only for a test that has gone wrong,
+# and is far beyond what the slowest loaded machine takes.
+PATIENCE = 300.0
+
+
+def waiting_for_a_lock(pg_dsn: str) -> int:
+    """How many sessions of the database wait on the server for a lock (the head row's)."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + PATIENCE
+    while not condition():
+        assert time.monotonic() < deadline, f"still not so after {PATIENCE:g} s: {what}"
+        time.sleep(0.05)
+
+
+def settled(pg_dsn: str) -> None:
+    """Wait until no other session of the database runs a statement: a call whose client was cut
+    off has finished on the server too."""
+
+    def idle() -> bool:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                               "AND state = 'active' AND pid <> pg_backend_pid()").fetchone()
+        return row == (0,)
+
+    until(idle, "a statement still runs on the server")
+
+
 def cut_while_waiting_for_the_head(pg_dsn: str, proxy: CuttingProxy, write: Any) -> Any:
     """Run ``write`` while another transaction holds the chain's head, cut its connection while
     its statement waits on the server for that lock, then let the lock go."""
@@ -109,12 +143,14 @@ def cut_while_waiting_for_the_head(pg_dsn: str, proxy: CuttingProxy, write: Any)
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(1.0)  # the one-statement append waits on the server for the head row
+    # The one-statement append waits on the server for the head row.
+    until(lambda: waiting_for_a_lock(pg_dsn) >= 1, "the write waits for the head")
     proxy.cut_clients()
-    time.sleep(1.0)  # the journal found nothing yet and went the locked way, which waits too
+    # The journal found nothing yet and went the locked way, which waits too (or gave up at once).
+    until(lambda: waiting_for_a_lock(pg_dsn) >= 2 or not thread.is_alive(), "the write waits again or ends")
     blocker.rollback()
     blocker.close()
-    thread.join(30)
+    thread.join(PATIENCE)
     assert not thread.is_alive()
     return result["value"]
 
@@ -162,7 +198,7 @@ def test_a_first_write_cut_off_while_the_server_waits_for_the_head_is_recorded_o
     decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("c3", run_unless_seen("c3")))
     assert not isinstance(decision, Exception), decision
     assert decision.verdict == Verdict.RUN
-    time.sleep(0.5)  # the first call, its client gone, has finished on the server too
+    settled(pg_dsn)  # the first call, its client gone, has finished on the server too
     assert events_of(pg_dsn) == [(1, "pending", "c3", 1)]
     assert journal.verify().ok
 
@@ -181,7 +217,7 @@ def test_a_server_append_cut_off_is_never_made_again_the_locked_way(
     outcome = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.append_event(
         EffectEvent("committed", "c5", "pay", attempt=1, value='{"ok":1}')))
     assert isinstance(outcome, JournalError), outcome
-    time.sleep(0.5)  # the first call, its client gone, has finished on the server
+    settled(pg_dsn)  # the first call, its client gone, has finished on the server
     assert events_of(pg_dsn) == [(1, "pending", "c5", 1), (2, "committed", "c5", 1)]
     assert journal.verify().ok
 
@@ -196,7 +232,7 @@ def test_after_a_crash_lost_events_an_append_cut_off_on_the_server_is_still_foun
     journal, proxy = proxied
     monkeypatch.setattr(journal, "_skip_cas", 10**9)  # every write made on the server
     journal.begin("x", run_unless_seen("x"))  # seq 1, on disk
-    journal._pool.wait(10)  # no session opens (and commits its temporary function) as the crash comes
+    journal._pool.wait(PATIENCE)  # no session opens (and commits its temporary function) as the crash comes
     crash_losing(pg_server, lambda: (  # seq 2 and 3: lost, so the head goes back below what the object saw
         journal.append(EffectEvent("released", "x", "pay", attempt=1, error={"type": "E", "message": "m"})),
         journal.append(EffectEvent("refused", None, "pay", reason={"code": "c", "message": "m"}))))
@@ -204,6 +240,6 @@ def test_after_a_crash_lost_events_an_append_cut_off_on_the_server_is_still_foun
     decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("y", run_unless_seen("y")))
     assert not isinstance(decision, Exception), decision
     assert decision.verdict == Verdict.RUN  # its own pending found, not taken for another's
-    time.sleep(0.5)
+    settled(pg_dsn)
     assert events_of(pg_dsn) == [(1, "pending", "x", 1), (2, "pending", "y", 1)]
     assert journal.verify().ok

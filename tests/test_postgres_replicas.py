@@ -57,7 +57,7 @@ def _racing_replica(dsn: str, ledger: str, call_ids: list[str], barrier: Any, re
     charge = make_charge(journal, ledger, pause=0.002)
     seen = []
     for call_id in call_ids:
-        barrier.wait(timeout=60)
+        barrier.wait(timeout=300)
         with AirlockContext(agent_id=f"replica-{os.getpid()}", metadata={"tool_call_id": call_id}):
             seen.append((call_id, outcome(charge("acct-1", 500))))
     journal.close()
@@ -75,7 +75,7 @@ def test_two_replicas_racing_one_id_make_one_effect(pg_dsn: str, tmp_path: Path)
         p.start()
     seen = [results.get(timeout=120) for _ in replicas]
     for p in replicas:
-        p.join(timeout=60)
+        p.join(timeout=300)
         assert p.exitcode == 0
 
     happened = effects(ledger)
@@ -133,14 +133,14 @@ def test_sigkill_in_the_middle_of_a_tool_leaves_it_pending_and_the_other_replica
     assert effects(ledger) == ["tx-1"], "the tool never started"
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGKILL)
-    victim.join(timeout=30)
+    victim.join(timeout=300)
     assert victim.exitcode == -signal.SIGKILL
 
     results = SPAWN.Queue()
     other = SPAWN.Process(target=_replaying_replica, args=(pg_dsn, str(ledger), "tx-1", results))
     other.start()
     refusal = results.get(timeout=60)
-    other.join(timeout=60)
+    other.join(timeout=300)
     assert refusal["block_reason"] == "effect_status_unknown"
     assert refusal["metadata"]["status"] == "pending" and refusal["metadata"]["attempt"] == 1
     assert effects(ledger) == ["tx-1"]  # not run again
@@ -254,7 +254,7 @@ def test_replicas_through_a_server_restart_lose_and_double_nothing(
     stop.set()
     seen = [call for _ in replicas for call in results.get(timeout=120)]
     for p in replicas:
-        p.join(timeout=60)
+        p.join(timeout=300)
 
     happened = effects(ledger)
     assert len(happened) == len(set(happened)), "an effect happened twice"
@@ -407,7 +407,7 @@ def test_a_journal_inherited_through_fork_gets_a_pool_of_its_own(pg_dsn: str, tm
         with AirlockContext(metadata={"tool_call_id": f"parent-{n}"}):
             assert outcome(charge("acct", n)) == "value"
     assert results.get(timeout=120) == ["value"] * CHILD_CALLS
-    child.join(timeout=60)
+    child.join(timeout=300)
     with AirlockContext(metadata={"tool_call_id": "child-0"}):
         assert outcome(charge("acct", 0)) == "value"  # a replay of the child's call
     calls = [f"parent-{n}" for n in range(CHILD_CALLS + 1)] + [f"child-{n}" for n in range(CHILD_CALLS)]

@@ -184,7 +184,7 @@ def test_a_lock_released_within_the_deadline_is_waited_for(
             caller.start()
             caller.join(0.5)
             assert caller.is_alive()  # waiting for the lock, not refused
-        caller.join(30)
+        caller.join(300)
         assert result == [{"paid": 500}]
         assert airlock_effects.count("call_1") == 1
         assert guard_errors(caplog) == []

@@ -58,7 +58,7 @@ def _queued(journal: SQLiteJournal, writes: list[Any]) -> list[BaseException | N
             time.sleep(0.001)
         assert len(journal._requests) == len(writes)
     for t in threads:
-        t.join(10)
+        t.join(120)
     return outcomes
 
 
@@ -186,7 +186,7 @@ def test_threads_queued_behind_a_blocked_writer_are_refused_at_their_own_deadlin
         for t in threads:
             t.start()
         for t in threads:
-            t.join(10)
+            t.join(120)
     finally:
         other.execute("ROLLBACK")
         other.close()
@@ -215,7 +215,7 @@ def test_a_thread_that_queued_late_waits_its_own_deadline_not_the_batchs(tmp_pat
     other.execute("ROLLBACK")
     other.close()
     for t in threads:
-        t.join(10)
+        t.join(120)
     assert is_refusal(results["A"]) and results["A"]["block_reason"] == "store_unavailable"
     assert is_refusal(results["B"]) and results["B"]["block_reason"] == "store_unavailable"
     assert results["C"] == 1
@@ -254,7 +254,7 @@ def test_a_child_forked_while_writes_wait_never_makes_the_parents_writes(tmp_pat
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     for t in threads:
-        t.join(10)
+        t.join(120)
     assert outcomes == [None, None, None]
     ids = [e.call_id for e in journal.events()]
     assert sorted(str(i) for i in ids) == ["child", "first", "parent-0", "parent-1", "parent-2"]  # each once

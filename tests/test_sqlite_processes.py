@@ -80,7 +80,7 @@ def test_eight_processes_on_one_id_make_one_effect(tmp_path: Path) -> None:
         p.start()
     outcomes = sorted(results.get(timeout=60) for _ in procs)
     for p in procs:
-        p.join(timeout=30)
+        p.join(timeout=300)
         assert p.exitcode == 0
     assert sum(effects(side).values()) == 1
     assert outcomes.count("value") >= 1
@@ -119,14 +119,14 @@ def test_sigkill_mid_tool_leaves_pending_and_a_replay_is_refused(tmp_path: Path)
     running = CTX.Event()
     child = CTX.Process(target=runs_then_hangs, args=(path, side, running))
     child.start()
-    assert running.wait(timeout=30)
+    assert running.wait(timeout=300)
     os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
     child.join()
     assert child.exitcode == -signal.SIGKILL
     results = CTX.Queue()
     replay = CTX.Process(target=replays, args=(path, side, results))
     replay.start()
-    assert results.get(timeout=30) == "refused:effect_status_unknown"
+    assert results.get(timeout=300) == "refused:effect_status_unknown"
     replay.join()
     assert effects(side) == Counter({"acct": 1})
     with SQLiteJournal(path) as journal:
@@ -202,7 +202,7 @@ def test_losing_what_was_written_after_pending_only_turns_a_replay_into_a_refusa
     results = CTX.Queue()
     replay = CTX.Process(target=replays, args=(copy, side, results))
     replay.start()
-    assert results.get(timeout=30) == "refused:effect_status_unknown"
+    assert results.get(timeout=300) == "refused:effect_status_unknown"
     replay.join()
     assert effects(side) == Counter({"acct": 1})
     with SQLiteJournal(copy) as lost:
@@ -224,7 +224,7 @@ def test_a_forked_child_uses_its_own_connection(tmp_path: Path) -> None:
     results = CTX.Queue()
     child = CTX.Process(target=uses_inherited, args=(journal, side, results))
     child.start()
-    assert results.get(timeout=30) == "value"
+    assert results.get(timeout=300) == "value"
     child.join()
     assert call(charge_tool(journal, side), "f3", "parent", 3) == {"charged": 3}
     assert [r.call_id for r in journal.calls()] == ["f3", "f2", "f1"]
@@ -244,7 +244,7 @@ def test_a_sigkill_right_after_begin_keeps_what_was_committed(tmp_path: Path, du
 
     child = CTX.Process(target=child_main)
     child.start()
-    assert running.wait(timeout=30)
+    assert running.wait(timeout=300)
     os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
     child.join()
     with SQLiteJournal(path) as journal:
