@@ -10,7 +10,8 @@ import orjson
 
 from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context, is_refusal
 from guard.effect_guard import EffectGuard, reversibility
-from journal import open_journal
+from guard.reconcile import Applied, InDoubtCall, NotApplied, reconciled_by
+from journal import Journal, open_journal
 
 from . import render
 from .options import describe, echo, journal_target
@@ -36,6 +37,13 @@ class PaymentBackend:
             raise TimeoutError("no answer within 5s")
         return receipt
 
+    def charge_made(self, call: InDoubtCall) -> Applied | NotApplied:
+        """The check of ``charge``: is there a charge with the call's idempotency key? It only asks."""
+        found = self.lookup(call.idempotency_key or "")
+        if found is None:
+            return NotApplied(evidence="the backend has no charge with this key")
+        return Applied(value=found, evidence=f"the backend has {found['charge_id']} for this key")
+
     def balance(self, account: str) -> int:
         return sum(entry["cents"] for entry in self.ledger if entry["account"] == account)
 
@@ -47,7 +55,7 @@ class PaymentBackend:
         return None
 
 
-def _run_number(j: Any) -> int:
+def _run_number(j: Journal) -> int:
     """The first run whose tool call ids this journal has not seen, so a rerun starts fresh."""
     run = 1
     while j.call_events(f"call_r{run}_1"):
@@ -57,6 +65,57 @@ def _run_number(j: Any) -> int:
 
 def _money(cents: int) -> str:
     return f"{cents // 100}.{cents % 100:02d}"
+
+
+class _Script:
+    """One run of the demo: the agent's guarded tools on the journal and the backend, and how its
+    lines are printed."""
+
+    def __init__(self, j: Journal, backend: PaymentBackend, colour: bool) -> None:
+        self.journal = j
+        self.backend = backend
+        self.colour = colour
+        policy = SecurityPolicy(allowed_tools=["charge", "read_balance"], effect_guard=EffectGuard(store=j))
+
+        @Airlock(policy=policy)
+        def charge(account: str, cents: int) -> dict[str, Any]:
+            context = get_current_context()
+            assert context is not None and context.idempotency_key is not None
+            return backend.charge(account, cents, context.idempotency_key)
+
+        @reversibility("reversible")
+        @Airlock(policy=policy)
+        def read_balance(account: str) -> int:
+            return backend.balance(account)
+
+        def with_check() -> Any:
+            # The same tool (its name is the function's) for an agent whose charge carries a check.
+            @reconciled_by(backend.charge_made)
+            @Airlock(policy=policy)
+            def charge(account: str, cents: int) -> dict[str, Any]:
+                context = get_current_context()
+                assert context is not None and context.idempotency_key is not None
+                return backend.charge(account, cents, context.idempotency_key)
+
+            return charge
+
+        self.charge, self.read_balance, self.charge_checked = charge, read_balance, with_check()
+
+    def call(self, tool_call_id: str, tool: Any, **arguments: Any) -> Any:
+        """What the host does with the model's tool call: run it under the call's id."""
+        with AirlockContext(agent_id=AGENT, metadata={"tool_call_id": tool_call_id}):
+            return tool(**arguments)
+
+    def recorded(self, tool_call_id: str) -> str:
+        record = self.journal.call(tool_call_id)
+        return "nothing" if record is None else record.status
+
+    def heading(self, text: str) -> None:
+        echo(click.style(text, bold=True) if self.colour else text)
+
+    def say(self, who: str, text: str, status: str | None = None) -> None:
+        label = f"   {who + ':':9}"
+        echo(f"{label}{render.paint(text, status, self.colour) if status else text}")
 
 
 @click.command()
@@ -80,98 +139,118 @@ def demo(db: str) -> None:
     \b
         airlock journal show --db airlock-demo.db
     """
-    colour = render.use_colour()
-
-    def heading(text: str) -> None:
-        echo(click.style(text, bold=True) if colour else text)
-
-    def say(who: str, text: str, status: str | None = None) -> None:
-        label = f"   {who + ':':9}"
-        echo(f"{label}{render.paint(text, status, colour) if status else text}")
-
-    backend = PaymentBackend()
     with open_journal(db) as j:
-        policy = SecurityPolicy(allowed_tools=["charge", "read_balance"], effect_guard=EffectGuard(store=j))
-
-        @Airlock(policy=policy)
-        def charge(account: str, cents: int) -> dict[str, Any]:
-            context = get_current_context()
-            assert context is not None and context.idempotency_key is not None
-            return backend.charge(account, cents, context.idempotency_key)
-
-        @reversibility("reversible")
-        @Airlock(policy=policy)
-        def read_balance(account: str) -> int:
-            return backend.balance(account)
-
-        def call(tool_call_id: str, tool: Any, **arguments: Any) -> Any:
-            with AirlockContext(agent_id=AGENT, metadata={"tool_call_id": tool_call_id}):
-                return tool(**arguments)
-
-        def recorded(tool_call_id: str) -> str:
-            record = j.call(tool_call_id)
-            return "nothing" if record is None else record.status
-
+        script = _Script(j, PaymentBackend(), render.use_colour())
         shown = describe(db)  # a URL's password is never printed
         run = _run_number(j)
-        first, second, third = (f"call_r{run}_{n}" for n in (1, 2, 3))
-        heading(f"airlock demo: run {run}, journal {shown}")
+        first, second, third, fourth = (f"call_r{run}_{n}" for n in (1, 2, 3, 4))
+        script.heading(f"airlock demo: run {run}, journal {shown}")
         echo()
+        _lost_receipt(script, run, first)
+        _lost_answer(script, run, second)
+        _balance(script, third)
+        _backend_answers(script, run, fourth)
+        _ledger(script)
+        _what_the_operator_sees(script, shown, second)
 
-        heading(f"1. Pay invoice A-{run}: charge(account='acct_alice', cents=1250), tool call {first}")
-        receipt = call(first, charge, account="acct_alice", cents=1250)
-        say("backend", f"charged {receipt['charge_id']} ({_money(receipt['cents'])} from acct_alice)")
-        say("journal", f"{recorded(first)}, with the receipt", recorded(first))
-        say("host", "the connection to the model drops: the receipt never reaches it")
-        say("model", f"retries tool call {first}")
-        replay = call(first, charge, account="acct_alice", cents=1250)
-        say("journal", f"replayed the stored receipt of {replay['charge_id']} to the model", "replayed")
-        say("backend", f"not called again; {len(backend.ledger)} charge so far")
-        echo()
 
-        heading(f"2. Pay invoice B-{run}: charge(account='acct_bob', cents=4200), tool call {second}")
-        backend.lose_next_answer = True
-        try:
-            call(second, charge, account="acct_bob", cents=4200)
-        except TimeoutError as e:
-            say("backend", f"charged ch_{len(backend.ledger)}, but the answer is lost ({type(e).__name__}: {e})")
-        say("journal", f"{recorded(second)}: it may or may not have happened", recorded(second))
-        say("model", f"retries tool call {second}")
-        refusal = call(second, charge, account="acct_bob", cents=4200)
-        if not is_refusal(refusal):
-            raise click.ClickException(f"the retry of {second} was not refused: {refusal!r}")
-        say("journal", f"refused {refusal['block_reason']}: the tool was not run again", "refused")
-        say("backend", f"not called again; {len(backend.ledger)} charges so far")
-        echo()
+def _lost_receipt(script: _Script, run: int, call_id: str) -> None:
+    """Step 1: the charge is made, its receipt lost on the way to the model; the retry is replayed."""
+    say, backend = script.say, script.backend
+    script.heading(f"1. Pay invoice A-{run}: charge(account='acct_alice', cents=1250), tool call {call_id}")
+    receipt = script.call(call_id, script.charge, account="acct_alice", cents=1250)
+    say("backend", f"charged {receipt['charge_id']} ({_money(receipt['cents'])} from acct_alice)")
+    say("journal", f"{script.recorded(call_id)}, with the receipt", script.recorded(call_id))
+    say("host", "the connection to the model drops: the receipt never reaches it")
+    say("model", f"retries tool call {call_id}")
+    replay = script.call(call_id, script.charge, account="acct_alice", cents=1250)
+    say("journal", f"replayed the stored receipt of {replay['charge_id']} to the model", "replayed")
+    say("backend", f"not called again; {len(backend.ledger)} charge so far")
+    echo()
 
-        heading(f"3. Check: read_balance(account='acct_bob'), tool call {third} (a reversible tool)")
-        say("backend", f"acct_bob was charged {_money(call(third, read_balance, account='acct_bob'))}")
-        echo()
 
-        heading(f"The backend's ledger: {len(backend.ledger)} charges for 2 intended payments")
-        for entry in backend.ledger:
-            echo(f"   {entry['charge_id']}  {entry['account']:<10}  {_money(entry['cents']):>6}  "
-                       f"key {entry['idempotency_key'][:12]}{render.ELLIPSIS}")
-        if len(backend.ledger) != 2:
-            raise click.ClickException(f"expected 2 charges, the backend made {len(backend.ledger)}")
-        echo()
+def _lost_then_retried(script: _Script, call_id: str, tool: Any, **arguments: Any) -> Any:
+    """A charge whose answer is lost after it was made, and the model's retry; what the retry got."""
+    say, backend = script.say, script.backend
+    backend.lose_next_answer = True
+    try:
+        script.call(call_id, tool, **arguments)
+    except TimeoutError as e:
+        say("backend", f"charged ch_{len(backend.ledger)}, but the answer is lost ({type(e).__name__}: {e})")
+    say("journal", f"{script.recorded(call_id)}: it may or may not have happened", script.recorded(call_id))
+    say("model", f"retries tool call {call_id}")
+    return script.call(call_id, tool, **arguments)
 
-        show_command = f"airlock journal show --db {shlex.quote(shown)} --limit 3"
-        heading(f"What `{show_command}` shows the operator:")
-        records = j.calls(limit=3)
-        for line in render.calls_table(records, width=render.terminal_width(), colour=colour):
-            echo(f"   {line}")
-        echo()
 
-        unknown = j.call(second)
-        assert unknown is not None and unknown.idempotency_key is not None
-        found = backend.lookup(unknown.idempotency_key)
-        heading(f"{second} stays unknown until someone asks the backend about key "
-                f"{unknown.idempotency_key[:12]}{render.ELLIPSIS}")
-        if found is not None:
-            echo(f"   The backend has {found['charge_id']} for that key, so the operator settles it with:")
-            value = orjson.dumps(found).decode()
-            reason = f"backend ledger has {found['charge_id']} for this idempotency key"
-            echo(f"   airlock journal resolve {second} --db {shlex.quote(shown)} --applied \\\n"
-                       f"       --value {shlex.quote(value)} \\\n"
-                       f"       --reason {shlex.quote(reason)}")
+def _lost_answer(script: _Script, run: int, call_id: str) -> None:
+    """Step 2: the charge times out after it was made: the call is unknown, and its retry refused."""
+    say, backend = script.say, script.backend
+    script.heading(f"2. Pay invoice B-{run}: charge(account='acct_bob', cents=4200), tool call {call_id}")
+    refusal = _lost_then_retried(script, call_id, script.charge, account="acct_bob", cents=4200)
+    if not is_refusal(refusal):
+        raise click.ClickException(f"the retry of {call_id} was not refused: {refusal!r}")
+    say("journal", f"refused {refusal['block_reason']}: the tool was not run again", "refused")
+    say("backend", f"not called again; {len(backend.ledger)} charges so far")
+    echo()
+
+
+def _balance(script: _Script, call_id: str) -> None:
+    """Step 3: a reversible tool, which runs whenever it is called."""
+    script.heading(f"3. Check: read_balance(account='acct_bob'), tool call {call_id} (a reversible tool)")
+    balance = script.call(call_id, script.read_balance, account="acct_bob")
+    script.say("backend", f"acct_bob was charged {_money(balance)}")
+    echo()
+
+
+def _backend_answers(script: _Script, run: int, call_id: str) -> None:
+    """Step 4: the same lost answer, for a tool with a check: the retry asks the backend itself."""
+    say, backend = script.say, script.backend
+    script.heading(f"4. Pay invoice C-{run}: charge(account='acct_carol', cents=990), tool call {call_id}, "
+                   "a tool with a check")
+    receipt = _lost_then_retried(script, call_id, script.charge_checked, account="acct_carol", cents=990)
+    if is_refusal(receipt):
+        raise click.ClickException(f"the check did not settle {call_id}: {receipt!r}")
+    record = script.journal.call(call_id)
+    assert record is not None and record.reason is not None
+    say("journal", f"asked the backend first: {record.reason['message']}", "committed")
+    say("journal", f"settled it {record.status} by {record.actor}, and replayed {receipt['charge_id']}", "replayed")
+    say("backend", f"not called again; {len(backend.ledger)} charges so far")
+    echo()
+
+
+def _ledger(script: _Script) -> None:
+    """The backend's charges: two, for two payments, however many times the model retried."""
+    backend = script.backend
+    script.heading(f"The backend's ledger: {len(backend.ledger)} charges for 3 intended payments")
+    for entry in backend.ledger:
+        echo(f"   {entry['charge_id']}  {entry['account']:<10}  {_money(entry['cents']):>6}  "
+             f"key {entry['idempotency_key'][:12]}{render.ELLIPSIS}")
+    if len(backend.ledger) != 3:
+        raise click.ClickException(f"expected 3 charges, the backend made {len(backend.ledger)}")
+    echo()
+
+
+def _what_the_operator_sees(script: _Script, shown: str, second: str) -> None:
+    """The end: the calls as `airlock journal show` lists them, and how the unknown call is settled."""
+    show_command = f"airlock journal show --db {shlex.quote(shown)} --limit 4"
+    script.heading(f"What `{show_command}` shows the operator:")
+    records = script.journal.calls(limit=4)
+    for line in render.calls_table(records, width=render.terminal_width(), colour=script.colour):
+        echo(f"   {line}")
+    echo()
+
+    unknown = script.journal.call(second)
+    assert unknown is not None and unknown.idempotency_key is not None
+    found = script.backend.lookup(unknown.idempotency_key)
+    script.heading(f"{second} stays unknown until someone asks the backend about key "
+                   f"{unknown.idempotency_key[:12]}{render.ELLIPSIS}")
+    if found is not None:
+        echo(f"   The backend has {found['charge_id']} for that key, so the operator settles it with:")
+        value = orjson.dumps(found).decode()
+        reason = f"backend ledger has {found['charge_id']} for this idempotency key"
+        echo(f"   airlock journal resolve {second} --db {shlex.quote(shown)} --applied \\\n"
+             f"       --value {shlex.quote(value)} \\\n"
+             f"       --reason {shlex.quote(reason)}")
+    echo("   Or let the backend answer, as it did for invoice C: put a check on the tool with\n"
+         "   @reconciled_by(check), and the next retry asks it; `airlock journal reconcile --with MODULE`\n"
+         "   asks it for every call in doubt (docs/runbook.md, \"Let the backend answer\").")

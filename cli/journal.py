@@ -3,27 +3,32 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import getpass
 import os
+import shlex
 import stat
 import sys
-import tempfile
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import click
 import orjson
 from click.core import ParameterSource
 
-from journal import open_journal
+from guard.store import CallRecord
+from journal import Journal, open_journal
 from journal.chain import GAP, verify_lines
-from journal.events import REDACTABLE
+from journal.events import REDACTABLE, JournalEvent, VerifyReport
 from journal.projection import fold
 from journal.rows import unfaithful_json
+from journal.signing import SigningKey
 
-from . import render
-from .export import NotJsonLines, read_export, write_events
+from . import archive, audit, prometheus, reconcile, render
+from .export import NotJsonLines, read_export, write_events, write_file
+from .listing import STATS_COLUMNS, chosen_format, delimited, listing_options, stats_rows
 from .options import (
     MOMENT,
     TEXT,
@@ -36,6 +41,8 @@ from .options import (
     json_option,
     output_failed,
 )
+
+T = TypeVar("T")
 
 STATUSES = ("pending", "committed", "unknown", "released")
 
@@ -72,7 +79,11 @@ def _echo_lines(lines: list[str]) -> None:
 @click.option("--agent", "agent_id", type=TEXT, help="Only calls of this agent.")
 @click.option("--since", type=MOMENT, help="Only calls updated since: ISO-8601, or an age like 10m, 2h, 3d.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many calls.")
+@click.option("--offset", type=click.IntRange(min=0), default=0,
+              help="Skip the first N calls: the next page is --offset 50, then 100, ...")
+@click.option("--all", "every", is_flag=True, help="Every call that matches, however many (no --limit).")
 @json_option
+@listing_options
 @db_option
 @click.pass_context
 def show(
@@ -83,14 +94,21 @@ def show(
     agent_id: str | None,
     since: datetime | None,
     limit: int,
+    offset: int,
+    every: bool,
     as_json: bool,
+    as_csv: bool,
+    as_tsv: bool,
+    as_nl: bool,
+    no_headers: bool,
     db: str,
 ) -> None:
     """Show the calls, newest first, or one call and every event of it.
 
     A pending call is marked "owner alive" while the process that recorded it still runs on
-    this host, "owner gone" when it does not. --json prints JSON Lines, one call a line (one
-    object with an "events" list for CALL_ID).
+    this host, "owner gone" when it does not. --json (or --nl) prints JSON Lines, one call a line
+    (one object with an "events" list for CALL_ID); --csv and --tsv print the same fields. When
+    more calls match than are shown, a note on stderr says so, whatever the output.
 
     Example:
 
@@ -101,37 +119,75 @@ def show(
         airlock journal show --status pending --status unknown
 
     \b
+        airlock journal show --status unknown --all --csv > unknown.csv
+
+    \b
         airlock journal show call_7Qx2 --json
     """
     if call_id is not None:
-        filters = {"statuses": "--status", "tool": "--tool", "agent_id": "--agent", "since": "--since",
-                   "limit": "--limit"}
-        given = [flag for name, flag in filters.items()
-                 if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
-        if given:
-            verb, it = ("filter", "they") if len(given) > 1 else ("filters", "it")
-            raise click.UsageError(f"{', '.join(given)} {verb} the list of calls; {it} cannot be combined with "
-                                   "CALL_ID, which shows one call")
+        _refuse_list_flags(ctx)
         _show_call(call_id, as_json, db)
         return
+    fmt = chosen_format(as_json=as_json, as_csv=as_csv, as_tsv=as_tsv, as_nl=as_nl, no_headers=no_headers)
+    if every and ctx.get_parameter_source("limit") is not ParameterSource.DEFAULT:
+        raise click.UsageError("--all shows every call; it cannot be combined with --limit")
     with open_journal(db, readonly=True, create=False) as j:
         # One more than asked for tells whether the list was cut at --limit; a larger --limit is all.
         limit = min(limit, MOST_CALLS)
-        records = j.calls(status=statuses or None, tool=tool, agent_id=agent_id, since=since, limit=limit + 1)
-        cut = len(records) > limit
-        records = records[:limit]
-        if as_json:
-            echo_bytes(*(render.dumps_line(render.call_json(record)) for record in records))
-            return
-    if not records:
-        click.echo("No calls match.", err=True)
-        return
-    _echo_lines(render.calls_table(records, width=render.terminal_width(), colour=render.use_colour()))
+        records = j.calls(status=statuses or None, tool=tool, agent_id=agent_id, since=since,
+                          limit=None if every else limit + 1, offset=offset)
+        cut = not every and len(records) > limit
+        records = records if every else records[:limit]
+        states = j.owner_states(records)
+        if fmt in ("json", "nl"):
+            echo_bytes(*(render.dumps_line(render.call_json(r, states.get(r.call_id))) for r in records))
+        elif fmt in ("csv", "tsv"):
+            shown = [render.call_json(r, states.get(r.call_id)) for r in records]
+            echo_bytes(delimited(render.CALL_COLUMNS, shown, fmt, headers=not no_headers))
+    if fmt == "table":
+        if not records:
+            click.echo("No calls match." if not offset else f"No calls match past the first {offset}.", err=True)
+        else:
+            _echo_lines(render.calls_table(records, width=render.terminal_width(), colour=render.use_colour(),
+                                           states=states, show_headers=not no_headers))
     if cut:
-        click.echo(f"(the newest {limit}; pass --limit for more)", err=True)
+        click.echo(_cut_note(offset, len(records)), err=True)
 
 
-def _call_and_events(j: Any, call_id: str) -> tuple[Any, list[Any]]:
+def _refuse_list_flags(ctx: click.Context) -> None:
+    """Refuse the flags of ``show``'s list of calls when it is given a CALL_ID, which shows one call."""
+    filters = {"statuses": "--status", "tool": "--tool", "agent_id": "--agent", "since": "--since",
+               "limit": "--limit", "offset": "--offset", "every": "--all"}
+    given = [flag for name, flag in filters.items() if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
+    if given:
+        verb, it = ("filter", "they") if len(given) > 1 else ("filters", "it")
+        raise click.UsageError(f"{', '.join(given)} {verb} the list of calls; {it} cannot be combined with "
+                               "CALL_ID, which shows one call")
+    forms = {"as_csv": "--csv", "as_tsv": "--tsv", "as_nl": "--nl", "no_headers": "--no-headers"}
+    listed = [flag for name, flag in forms.items() if ctx.params[name]]
+    if listed:
+        raise click.UsageError(f"{listed[0]} goes with the list of calls; for the events of one call: "
+                               "airlock journal export --call CALL_ID --format csv")
+
+
+def _cut_note(offset: int, shown: int) -> str:
+    """What stderr says when more calls match than a page shows, and how to see them."""
+    if not offset:
+        return f"(the newest {shown}; more match: pass --limit for more, --offset {shown} for the next page, or --all)"
+    return (f"(calls {offset + 1} to {offset + shown}, newest first; more match: pass --offset {offset + shown} "
+            "for the next page, or --all)")
+
+
+def pending_owners(j: Journal) -> dict[str, int]:
+    """How many pending calls have an owner alive (a live lease, or a running process on this host
+    without one), and how many an owner gone: those are in doubt."""
+    records = j.calls(status="pending", limit=None)
+    states = j.owner_states(records)
+    alive = sum(1 for r in records if states[r.call_id].alive)
+    return {"pending_owner_alive": alive, "pending_owner_gone": len(records) - alive}
+
+
+def _call_and_events(j: Journal, call_id: str) -> tuple[CallRecord | None, list[JournalEvent]]:
     """The call's record and its events as of one moment, while writers go on.
 
     The record is read before and after the events: when both reads agree, no event that moves
@@ -150,15 +206,17 @@ def _call_and_events(j: Any, call_id: str) -> tuple[Any, list[Any]]:
 def _show_call(call_id: str, as_json: bool, db: str) -> None:
     with open_journal(db, readonly=True, create=False) as j:
         record, events = _call_and_events(j, call_id)
+        state = j.owner_states([record]).get(call_id) if record is not None else None
     if record is None and not events:
         raise click.ClickException(f"no call {call_id!r} in the journal {describe(db)}")
     if as_json:
-        shown = render.call_json(record) if record is not None else render.unprojected_call_json(call_id, events)
+        shown = render.call_json(record, state) if record is not None else render.unprojected_call_json(call_id, events)
         shown["events"] = [e.export() for e in events]
         echo_bytes(render.dumps_line(shown))
         return
     colour = render.use_colour()
-    _echo_lines(render.call_lines(call_id, record, events, width=render.terminal_width(), colour=colour))
+    _echo_lines(render.call_lines(call_id, record, events, width=render.terminal_width(), colour=colour,
+                                  state=state))
     if record is not None and record.status in ("pending", "unknown"):
         echo(
             f"\nAsk the backend whether idempotency key {record.idempotency_key} was applied, then settle it:\n"
@@ -204,7 +262,10 @@ def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) ->
     except orjson.JSONDecodeError as e:
         if "depth limit" in str(e):
             raise too_deep from e
-        raise click.BadParameter(f"{value!r} is not JSON ({e})", ctx, param) from e
+        hint = ""
+        if value.strip() and value.strip()[0] not in '{["-0123456789':  # a bare word: meant as a string
+            hint = f"; a string is given in JSON's quotes: --value {shlex.quote(orjson.dumps(value.strip()).decode())}"
+        raise click.BadParameter(f"{value!r} is not JSON ({e}){hint}", ctx, param) from e
     if _levels(parsed) > MOST_VALUE_LEVELS:
         raise too_deep
     problem = unfaithful_json(value)
@@ -298,6 +359,8 @@ def resolve(
 @click.option("--redact", type=FieldList(tuple(sorted(REDACTABLE))), multiple=True, metavar="FIELDS",
               help="Comma-separated, or the flag repeated: arguments,value. Each becomes null and is named "
                    "in 'redacted'; its sha256 stays, so the export still verifies.")
+@click.option("--sign", "key_file", type=click.Path(dir_okay=False, path_type=Path), metavar="KEY",
+              help="Sign it: write OUTPUT.manifest.json beside --output, signed with this private key (keygen).")
 @db_option
 def export(
     fmt: str,
@@ -308,6 +371,7 @@ def export(
     tool: str | None,
     agent_id: str | None,
     redact: tuple[frozenset[str], ...],
+    key_file: Path | None,
     db: str,
 ) -> None:
     """Export the audit trail, one event at a time, in seq order.
@@ -328,6 +392,10 @@ def export(
         raise click.BadParameter("is empty: name the file to write the export to", param_hint="'--output' / '-o'")
     if output == Path("-"):  # the usual name for stdout; a file named so is ./- in full
         output = None
+    if key_file is not None and (output is None or fmt != "jsonl"):
+        raise click.UsageError("--sign writes a manifest beside the export: it needs --output FILE, in the "
+                               "jsonl format")
+    signer = audit.load_key(key_file)
     redacted = frozenset().union(*redact)  # every --redact given counts: none is dropped
     filters: dict[str, Any] = {"call_id": call_id, "tool": tool, "agent_id": agent_id, "since": since, "until": until}
     journal_file = None if output is None else _journal_file(output, db)
@@ -344,7 +412,7 @@ def export(
             except OSError as e:
                 output_failed(e, "the export")
             return
-        written = _export_to_file(j, filters, output, fmt, redacted)
+        written = _export_to_file(j, filters, output, fmt, redacted, signer)
     click.echo(f"Exported {written} events to {output}", err=True)
 
 
@@ -364,7 +432,8 @@ def _journal_file(output: Path, db: str) -> str | None:
     return None
 
 
-def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, redact: frozenset[str]) -> int:
+def _export_to_file(j: Journal, filters: dict[str, Any], output: Path, fmt: str, redact: frozenset[str],
+                    signer: SigningKey | None = None) -> int:
     try:
         replaceable = stat.S_ISREG(output.stat().st_mode)
     except FileNotFoundError:
@@ -372,6 +441,9 @@ def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, red
     except OSError as e:
         raise click.ClickException(f"cannot write to {output}: {e.strerror or e}") from e
     if not replaceable:
+        if signer is not None:
+            raise click.ClickException(f"{output} is not a regular file: a signed export needs one, beside its "
+                                       "manifest")
         # A FIFO or a device is written into: renaming a file over it would replace the node.
         try:
             with output.open("wb") as out:
@@ -380,26 +452,17 @@ def _export_to_file(j: Any, filters: dict[str, Any], output: Path, fmt: str, red
             sys.exit(1)  # the reader of a pipe went away (-o /dev/stdout | head): as for stdout, quietly
         except OSError as e:
             raise click.ClickException(f"the export could not be written to {output}: {e.strerror or e}") from e
-    # A symbolic link stays one: the file it names is the one replaced (/dev/stdout sent to a file, say).
-    target = Path(os.path.realpath(output))
     try:
-        fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        if signer is not None:
+            return audit.export_signed(output, filters, redact, signer,
+                                       lambda out: _write_export(j, filters, out, fmt, redact))
+        # A symbolic link stays one: the file it names is the one replaced (/dev/stdout sent to a file, say).
+        return write_file(Path(os.path.realpath(output)), lambda out: _write_export(j, filters, out, fmt, redact))
     except OSError as e:
-        raise click.ClickException(f"cannot write to {output}: {e.strerror or e}") from e
-    try:
-        with os.fdopen(fd, "wb") as out:
-            written = _write_export(j, filters, out, fmt, redact)
-        os.replace(partial, target)
-    except OSError as e:
-        Path(partial).unlink(missing_ok=True)
         raise click.ClickException(f"the export could not be written to {output}: {e.strerror or e}") from e
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
-    return written
 
 
-def _write_export(j: Any, filters: dict[str, Any], out: BinaryIO, fmt: str, redact: frozenset[str]) -> int:
+def _write_export(j: Journal, filters: dict[str, Any], out: BinaryIO, fmt: str, redact: frozenset[str]) -> int:
     """Write the export to ``out``, with a progress bar when stderr is a terminal; returns the count."""
     if sys.stderr.isatty():
         with click.progressbar(length=j.count_events(**filters), label="Exporting", file=sys.stderr) as bar:
@@ -410,19 +473,35 @@ def _write_export(j: Any, filters: dict[str, Any], out: BinaryIO, fmt: str, reda
 # -- verify --------------------------------------------------------------------------------------
 
 
+EMPTY_EXPORT = ("it holds no events, and an empty export is evidence of nothing (an export whose filters "
+                "matched no event verifies with --allow-gaps)")
+
+
 @journal.command()
 # A file that is not there (or is a directory) is an error, exit 1, as a journal that is not there is.
-@click.option("--export", "export_file", type=click.Path(allow_dash=True, path_type=Path),
-              help="Check this exported JSON Lines file offline instead of the journal ('-': stdin).")
+@click.option("--export", "export_files", type=click.Path(allow_dash=True, path_type=Path), multiple=True,
+              help="Check this exported JSON Lines file offline instead of the journal ('-': stdin). Given "
+                   "more than once, the files in order as one chain, and then the journal when --db is given.")
 @click.option("--allow-gaps", is_flag=True, help="With --export: accept gaps in seq (a filtered export has them).")
+@click.option("--public-key", metavar="PUBFILE_OR_HEX",
+              help="Check the signature of each export's manifest (FILE.manifest.json) and the file's sha256, "
+                   "or of the checkpoint: 64 hex digits, or a file holding them or a PEM public key.")
+@click.option("--checkpoint", "checkpoint_file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Also check that the journal still holds the checkpoint's seq with its hash.")
 @json_option
 @db_option
-def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -> None:
+@click.pass_context
+def verify(ctx: click.Context, export_files: tuple[Path, ...], allow_gaps: bool, public_key: str | None,
+           checkpoint_file: Path | None, as_json: bool, db: str) -> None:
     """Recompute the hash chain and check the projection against the log.
 
     Exit 0 with the event count and head hash; exit 1 naming the seq of the first bad event.
     With --export FILE, check an exported file instead: every event's hash and every link
-    between consecutive seqs (no journal is opened).
+    between consecutive seqs (no journal is opened); a file with no events is an error unless
+    --allow-gaps says the export was filtered. With --public-key, each export must come
+    with its signed manifest, and match it byte for byte. Several --export files, and --db
+    after them, are checked as one chain in seq order. --checkpoint FILE fails when the journal
+    no longer holds the checkpoint's seq with its hash (a log cut short or rewritten).
 
     Example:
 
@@ -434,24 +513,26 @@ def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -
 
     \b
         airlock journal export --since 1d | airlock journal verify --export - --allow-gaps
+
+    \b
+        airlock journal verify --export audit.jsonl --public-key audit-key.pub
+
+    \b
+        airlock journal verify --checkpoint checkpoint.json --public-key audit-key.pub
     """
+    export_file = export_files[0] if export_files else None
     if allow_gaps and export_file is None:
         raise click.UsageError("--allow-gaps goes with --export FILE")
-    if export_file is not None:
-        from_stdin = str(export_file) == "-"
-        source = "the export on stdin" if from_stdin else str(export_file)
-        if from_stdin and sys.stdin is None:  # started with stdin closed ("<&-")
-            raise click.ClickException(f"cannot read {source}: stdin is closed")
-        try:
-            with contextlib.nullcontext(sys.stdin.buffer) if from_stdin else export_file.open("rb") as stream:
-                report = verify_lines(read_export(stream), allow_gaps=allow_gaps)
-        except NotJsonLines as e:
-            raise click.ClickException(f"{source} is not a JSON Lines export: {e}") from e
-        except OSError as e:
-            raise click.ClickException(f"cannot read {source}: {e.strerror or e}") from e
+    db_given = ctx.get_parameter_source("db") is ParameterSource.COMMANDLINE
+    if audit.verify_audit_wanted(export_files, public_key, checkpoint_file, db_given):
+        report, source = audit.verify_audit(export_files, public_key, checkpoint_file, allow_gaps,
+                                            db if db_given or checkpoint_file is not None else None)
+    elif export_file is not None:
+        audit.note_unchecked_manifests(export_files)
+        report, source = _verify_export_file(export_file, allow_gaps)
     else:
         with open_journal(db, readonly=True, create=False) as j:
-            report = j.verify()
+            report = _with_progress(j, "Verifying", j.verify)
         source = describe(db)
     if as_json:
         echo_bytes(render.dumps_line({
@@ -459,16 +540,42 @@ def verify(export_file: Path | None, allow_gaps: bool, as_json: bool, db: str) -
             "first_bad_seq": report.first_bad_seq, "problem": report.problem,
         }))
     if not report.ok:  # with --json too: the JSON on stdout, the one line on stderr
-        hint = ""
-        if export_file is not None and (report.problem or "").endswith(GAP):
-            hint = " (an export filtered by --call, --tool, --agent, --since or --until has gaps: add --allow-gaps)"
-        if report.first_bad_seq is not None:
-            raise click.ClickException(
-                f"{source} does not verify at seq {report.first_bad_seq}: {report.problem}{hint}")
-        raise click.ClickException(f"{source} does not verify: {report.problem}")
+        raise _not_verified(report, source, export_file is not None)
     if as_json:
         return
+    if export_file is not None and not report.events:
+        echo("OK: 0 events (an empty export: its filters matched no event)")
+        return
     echo(f"OK: {report.events} events, head {report.head}")
+
+
+def _verify_export_file(export_file: Path, allow_gaps: bool) -> tuple[VerifyReport, str]:
+    """The report on an exported JSON Lines file (``-``: stdin), and how messages name the file."""
+    from_stdin = str(export_file) == "-"
+    source = "the export on stdin" if from_stdin else str(export_file)
+    if from_stdin and sys.stdin is None:  # started with stdin closed ("<&-")
+        raise click.ClickException(f"cannot read {source}: stdin is closed")
+    try:
+        with contextlib.nullcontext(sys.stdin.buffer) if from_stdin else export_file.open("rb") as stream:
+            report = verify_lines(read_export(stream), allow_gaps=allow_gaps)
+    except NotJsonLines as e:
+        raise click.ClickException(f"{source} is not a JSON Lines export: {e}") from e
+    except OSError as e:
+        raise click.ClickException(f"cannot read {source}: {e.strerror or e}") from e
+    if report.ok and not report.events and not allow_gaps:
+        # An empty file is evidence of nothing; only an export's filters matching no event explain it.
+        report = dataclasses.replace(report, ok=False, problem=EMPTY_EXPORT)
+    return report, source
+
+
+def _not_verified(report: VerifyReport, source: str, from_export: bool) -> click.ClickException:
+    """The one line that says where ``source`` does not verify (with a hint for a filtered export)."""
+    hint = ""
+    if from_export and (report.problem or "").endswith(GAP):
+        hint = " (an export filtered by --call, --tool, --agent, --since or --until has gaps: add --allow-gaps)"
+    if report.first_bad_seq is not None:
+        return click.ClickException(f"{source} does not verify at seq {report.first_bad_seq}: {report.problem}{hint}")
+    return click.ClickException(f"{source} does not verify: {report.problem}")
 
 
 # -- rebuild -------------------------------------------------------------------------------------
@@ -487,8 +594,20 @@ def rebuild(db: str) -> None:
         airlock journal rebuild --db /var/lib/agent/airlock-journal.db
     """
     with open_journal(db, create=False) as j:
-        calls = j.rebuild()
+        calls = _with_progress(j, "Rebuilding", j.rebuild)
     echo(f"Rebuilt the projection: {calls} calls")
+
+
+def _with_progress(j: Journal, label: str, work: Callable[..., T]) -> T:
+    """``work(advance=...)`` with a progress bar over the journal's events on stderr, when stderr
+    is a terminal (as export has); ``work()`` otherwise."""
+    if not sys.stderr.isatty():
+        return work()
+    events = j.head()[0]
+    with click.progressbar(length=events, label=label, file=sys.stderr) as bar:
+        result = work(advance=bar.update)
+        bar.update(max(0, events - bar.pos))  # done: the store tells of whole stretches only
+        return result
 
 
 # -- stats ---------------------------------------------------------------------------------------
@@ -496,22 +615,64 @@ def rebuild(db: str) -> None:
 
 @journal.command()
 @json_option
+@click.option("--format", "fmt", type=click.Choice(("text", "prometheus")), default="text", show_default=True,
+              help="prometheus: gauges in the Prometheus text format, for a textfile collector.")
+@listing_options
 @db_option
-def stats(as_json: bool, db: str) -> None:
+@click.pass_context
+def stats(ctx: click.Context, as_json: bool, fmt: str, as_csv: bool, as_tsv: bool, as_nl: bool, no_headers: bool,
+          db: str) -> None:
     """Count the calls by status and by tool, and show the oldest pending and unknown call.
 
     --json prints one object: calls, events, by_status, by_tool, oldest_pending_at and
-    oldest_unknown_at (when the oldest such call entered that status, or null).
+    oldest_unknown_at (when the oldest such call entered that status, or null). --csv, --tsv
+    and --nl print rows of group (total, status, tool), name, count and oldest_at.
+    --format prometheus prints airlock_calls, airlock_events, airlock_calls_in_doubt and
+    airlock_oldest_in_doubt_age_seconds (see docs/observability.md).
 
     Example:
 
     \b
         airlock journal stats --json
+
+    \b
+        airlock journal stats --format prometheus --db /srv/agent/airlock-journal.db
     """
+    listing = chosen_format(as_json=as_json, as_csv=as_csv, as_tsv=as_tsv, as_nl=as_nl, no_headers=no_headers,
+                            table_headers=False)
+    if listing in ("csv", "tsv", "nl"):
+        if ctx.get_parameter_source("fmt") is not ParameterSource.DEFAULT:
+            raise click.UsageError(f"--{listing} and --format {fmt} are two outputs: give one")
+        with open_journal(db, readonly=True, create=False) as j:
+            rows = stats_rows(j.stats())
+        if listing == "nl":
+            echo_bytes(*(render.dumps_line(row) for row in rows))
+        else:
+            echo_bytes(delimited(STATS_COLUMNS, rows, listing, headers=not no_headers))
+        return
+    if fmt == "prometheus":
+        if as_json:
+            raise click.UsageError("--json and --format prometheus are two outputs: give one")
+        with open_journal(db, readonly=True, create=False) as j:
+            gauges = prometheus.read_gauges(j)
+        echo_bytes(prometheus.render_gauges(gauges).encode())
+        return
     with open_journal(db, readonly=True, create=False) as j:
         counted = j.stats()
+        # Only a person reads whose pending calls are alive; it costs a read of the pending calls.
+        owners = pending_owners(j) if counted.by_status.get("pending") and not as_json else None
     if as_json:
         echo_bytes(render.dumps_line(render.stats_json(counted)))
         return
     _echo_lines(render.stats_lines(counted, colour=render.use_colour()))
+    if owners is not None:
+        echo(f"pending calls whose owner is alive: {owners['pending_owner_alive']}, "
+             f"gone: {owners['pending_owner_gone']}")
 
+
+# -- keygen, checkpoint: the signed audit trail (cli/audit.py) ------------------------------------
+
+journal.add_command(audit.keygen)
+journal.add_command(reconcile.reconcile)
+journal.add_command(audit.checkpoint)
+journal.add_command(archive.archive)

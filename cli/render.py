@@ -6,15 +6,17 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+import unicodedata
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import click
 import orjson
 
+from guard.leases import OwnerState
 from guard.store import CallRecord, current_owner, format_at
-from journal.events import JournalEvent
+from journal.events import JournalEvent, JournalStats
 from journal.export import one_line_each
 from journal.owner import owner_alive
 
@@ -71,29 +73,107 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
+def char_width(ch: str) -> int:
+    """How many columns a terminal gives ``ch``: 2 for a wide or full-width character (CJK), 0 for a
+    combining mark or a format character, 1 otherwise."""
+    if ch < "\u0300":  # ASCII and Latin: the common case, at once
+        return 1
+    if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+
+
+def display_width(text: str) -> int:
+    """How many columns ``text`` takes on a terminal (see :func:`char_width`)."""
+    if text.isascii():
+        return len(text)
+    return sum(char_width(ch) for ch in text)
+
+
+def pad(text: str, width: int) -> str:
+    """``text`` followed by spaces to ``width`` columns."""
+    return text + " " * max(0, width - display_width(text))
+
+
+def _head(text: str, width: int) -> str:
+    """The longest start of ``text`` that fits in ``width`` columns."""
+    used = 0
+    for n, ch in enumerate(text):
+        used += char_width(ch)
+        if used > width:
+            return text[:n]
+    return text
+
+
+def _tail(text: str, width: int) -> str:
+    """The longest end of ``text`` that fits in ``width`` columns."""
+    used = 0
+    for n in range(len(text) - 1, -1, -1):
+        used += char_width(text[n])
+        if used > width:
+            return text[n + 1 :]
+    return text
+
+
 def truncate(text: str, width: int) -> str:
-    if len(text) <= width:
+    """``text`` cut to ``width`` columns, ending in an ellipsis when cut."""
+    if display_width(text) <= width:
         return text
     if width <= 1:
-        return text[:width]
-    return text[: width - 1] + ELLIPSIS
+        return _head(text, width)
+    return _head(text, width - 1) + ELLIPSIS
 
 
-def owner_mark(record: CallRecord) -> str | None:
-    """For a pending call: whether the process that recorded it still runs (None otherwise)."""
+def shorten_middle(text: str, width: int) -> str:
+    """``text`` cut to ``width`` columns in its middle (``call_…_9f2a``): ids that share a start
+    still differ at their end, as most do."""
+    if display_width(text) <= width:
+        return text
+    if width <= 2:
+        return truncate(text, width)
+    head = (width - 1) // 3
+    start = _head(text, head)
+    return start + ELLIPSIS + _tail(text, width - 1 - display_width(start))
+
+
+def id_cut(ids: Sequence[str], width: int) -> Callable[[str, int], str] | None:
+    """How to cut ``ids`` to ``width`` columns and still tell them apart: at their end (as any cell)
+    when that does, else in their middle; None when neither does."""
+    unique = len(set(ids))
+    for cut in (truncate, shorten_middle):
+        if len({cut(i, width) for i in ids}) == unique:
+            return cut
+    return None
+
+
+def distinct_width(ids: Sequence[str], floor: int) -> int:
+    """The fewest columns, ``floor`` or more, at which :func:`id_cut` keeps ``ids`` apart (their
+    full width when nothing less does)."""
+    widest = max((display_width(i) for i in ids), default=0)
+    for width in range(min(floor, widest), widest):
+        if id_cut(ids, width) is not None:
+            return width
+    return widest
+
+
+def owner_mark(record: CallRecord, state: OwnerState | None = None) -> str | None:
+    """For a pending call: whether its owner is alive, by its lease as the journal decides it
+    (``state``), or without one by whether the process that recorded it still runs (None otherwise)."""
     if record.status != "pending":
         return None
+    if state is not None and state.alive is not None:
+        return "owner alive" if state.alive else "owner gone"
     host = (record.owner or {}).get("host")
     if host is not None and host != current_owner()["host"]:
         return f"owner on {host}"
     return "owner alive" if owner_alive(record.owner) else "owner gone"
 
 
-def status_text(record: CallRecord | None) -> str:
+def status_text(record: CallRecord | None, state: OwnerState | None = None) -> str:
     if record is None:
         return "-"
-    mark = owner_mark(record)
-    if mark is None and record.actor.startswith("operator:"):
+    mark = owner_mark(record, state)
+    if mark is None and record.actor.startswith(("operator:", "reconciler:")):
         mark = f"by {record.actor}"  # settled by hand: resolve, not the guard, recorded it
     return f"{record.status} ({mark})" if mark else record.status
 
@@ -103,36 +183,56 @@ def table(
     rows: Sequence[Sequence[str]],
     *,
     shrinkable: Sequence[int] = (),
+    ids: int | None = None,
+    droppable: Sequence[int] = (),
     width: int | None = None,
     styles: Sequence[str | None] | None = None,
     colour: bool = False,
+    show_headers: bool = True,
 ) -> list[str]:
-    """Lay out ``rows`` under ``headers`` in columns two spaces apart.
+    """Lay out ``rows`` under ``headers`` in columns two spaces apart, each as wide as the terminal
+    shows its text (a CJK character takes two columns).
 
     When ``width`` is given and the table is wider, the columns in ``shrinkable`` lose characters
-    (widest first, each keeping at least 8) and their cells end in an ellipsis. ``styles`` names
-    a status per row, which colours the whole row's status cell (column index 2) when ``colour``.
+    (widest first, each keeping at least 8) and their cells end in an ellipsis; the column ``ids``
+    (a column of ids) is never cut so far that two of its ids look the same, and is cut in the
+    middle where its ids share their start. If that is not enough, the columns in ``droppable``
+    are left out, in that order. ``styles`` names a status per row, which colours the status cell
+    (header "STATUS") when ``colour``. ``show_headers=False`` leaves out the header line.
     """
     rows = [[printable(cell) for cell in row] for row in rows]
-    widths = [len(h) for h in headers]
+    widths = [display_width(h) for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
+            widths[i] = max(widths[i], display_width(cell))
+    shown = list(range(len(headers)))
     if width is not None:
-        excess = sum(widths) + 2 * (len(widths) - 1) - width
+        floors = {i: max(8, display_width(headers[i])) for i in shrinkable}
+        if ids is not None:
+            floors[ids] = max(display_width(headers[ids]), distinct_width([row[ids] for row in rows], 8))
+        drop = list(droppable)
+        excess = sum(widths[i] for i in shown) + 2 * (len(shown) - 1) - width
         while excess > 0:
-            candidates = [i for i in shrinkable if widths[i] > max(8, len(headers[i]))]
-            if not candidates:
+            candidates = [i for i in floors if i in shown and widths[i] > floors[i]]
+            if candidates:
+                widest = max(candidates, key=lambda i: widths[i])
+                widths[widest] -= 1
+                excess -= 1
+            elif drop:
+                gone = drop.pop(0)
+                shown.remove(gone)
+                excess -= widths[gone] + 2
+            else:
                 break
-            widest = max(candidates, key=lambda i: widths[i])
-            widths[widest] -= 1
-            excess -= 1
-    lines = ["  ".join(h.ljust(widths[i]) for i, h in enumerate(headers)).rstrip()]
+    status = list(headers).index("STATUS") if "STATUS" in headers else None
+    cut_id = (id_cut([row[ids] for row in rows], widths[ids]) or truncate) if ids is not None else truncate
+    lines = ["  ".join(pad(headers[i], widths[i]) for i in shown).rstrip()] if show_headers else []
     for n, row in enumerate(rows):
         cells = []
-        for i, cell in enumerate(row):
-            text = truncate(cell, widths[i]).ljust(widths[i])
-            if colour and styles is not None and i == 2:
+        for i in shown:
+            fitted = cut_id(row[i], widths[i]) if i == ids else truncate(row[i], widths[i])
+            text = pad(fitted, widths[i])
+            if colour and styles is not None and i == status:
                 text = paint(text, styles[n], colour)
             cells.append(text)
         lines.append("  ".join(cells).rstrip())
@@ -149,16 +249,20 @@ def terminal_width() -> int | None:
 CALL_HEADERS = ("CALL ID", "TOOL", "STATUS", "ATTEMPT", "AGENT", "AGE")
 
 
-def calls_table(records: Sequence[CallRecord], *, width: int | None = None, colour: bool = False) -> list[str]:
-    """The ``show`` table: one call a row, newest first as given; AGE counts from its last change."""
+def calls_table(records: Sequence[CallRecord], *, width: int | None = None, colour: bool = False,
+                states: Mapping[str, OwnerState] | None = None, show_headers: bool = True) -> list[str]:
+    """The ``show`` table: one call a row, newest first as given; AGE counts from its last change.
+    In a narrow terminal the ids are cut in their middle (never to a start they share), tools and
+    agents at their end, and AGENT, then ATTEMPT, are left out when that is not enough."""
     now = datetime.now(UTC)
     rows = [
-        (r.call_id, r.tool, status_text(r), str(r.attempt), r.agent_id or "-", age(r.updated_at, now))
+        (r.call_id, r.tool, status_text(r, (states or {}).get(r.call_id)), str(r.attempt), r.agent_id or "-",
+         age(r.updated_at, now))
         for r in records
     ]
     return table(
-        CALL_HEADERS, rows, shrinkable=(0, 1, 4), width=width,
-        styles=[r.status for r in records], colour=colour,
+        CALL_HEADERS, rows, shrinkable=(1, 4), ids=0, droppable=(4, 3), width=width,
+        styles=[r.status for r in records], colour=colour, show_headers=show_headers,
     )
 
 
@@ -173,9 +277,27 @@ def _plain(mapping: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return None if mapping is None else dict(mapping)
 
 
-def call_json(record: CallRecord) -> dict[str, Any]:
+def owner_fields(record: CallRecord, state: OwnerState | None) -> dict[str, Any]:
+    """``owner_state`` (``"alive"``, ``"gone"``, or None when the call is not pending) and
+    ``lease_expires_at`` (None without a lease) of ``show --json``."""
+    if record.status != "pending":
+        return {"owner_state": None, "lease_expires_at": None}
+    alive = state.alive if state is not None and state.alive is not None else owner_alive(record.owner)
+    expires = state.lease_expires_at if state is not None else None
+    return {"owner_state": "alive" if alive else "gone",
+            "lease_expires_at": format_at(expires) if expires is not None else None}
+
+
+# The fields of a call in ``show --json``, in order: the columns of ``show --csv``.
+CALL_COLUMNS = ("call_id", "tool", "status", "attempt", "agent_id", "idempotency_key", "arguments", "value", "error",
+                "reason", "actor", "owner", "owner_alive", "owner_state", "lease_expires_at", "created_at",
+                "updated_at", "since", "last_seq")
+
+
+def call_json(record: CallRecord, state: OwnerState | None = None) -> dict[str, Any]:
     """One call as ``show --json`` prints it: JSON values as values, times as ISO-8601 strings."""
-    alive = owner_alive(record.owner) if record.status == "pending" else None
+    owner = owner_fields(record, state)
+    alive = None if owner["owner_state"] is None else owner["owner_state"] == "alive"
     return {
         "call_id": record.call_id,
         "tool": record.tool,
@@ -190,6 +312,7 @@ def call_json(record: CallRecord) -> dict[str, Any]:
         "actor": record.actor,
         "owner": _plain(record.owner),
         "owner_alive": alive,
+        **owner,
         "created_at": format_at(record.created_at),
         "updated_at": format_at(record.updated_at),
         "since": format_at(record.since),
@@ -215,11 +338,24 @@ def unprojected_call_json(call_id: str, events: Sequence[JournalEvent]) -> dict[
         "actor": None,
         "owner": None,
         "owner_alive": None,
+        "owner_state": None,
+        "lease_expires_at": None,
+        "duplicate_of": duplicate_of(events),
         "created_at": format_at(first.at),
         "updated_at": format_at(last.at),
         "since": None,
         "last_seq": last.seq,
     }
+
+
+def duplicate_of(events: Sequence[JournalEvent]) -> str | None:
+    """The earlier call an id without a record of its own was answered as (its events' reason
+    ``duplicate_of``), or None."""
+    for event in events:
+        if event.reason and event.reason.get("code") == "duplicate_of":
+            message = event.reason.get("message")
+            return message if isinstance(message, str) else None
+    return None
 
 
 def event_detail(event: JournalEvent) -> str:
@@ -261,11 +397,15 @@ def call_lines(
     *,
     width: int | None = None,
     colour: bool = False,
+    state: OwnerState | None = None,
 ) -> list[str]:
     """``show CALL_ID`` for a person: the call's state, then every event of it."""
     first = events[0] if events else None
     now = datetime.now(UTC)
-    status = "- (no attempt recorded; only refusals)" if record is None else status_text(record)
+    status = "- (no attempt recorded; only refusals)" if record is None else status_text(record, state)
+    copy_of = duplicate_of(events) if record is None else None
+    if copy_of is not None:  # a re-planned copy, answered as the earlier call
+        status = f"- (no attempt of its own: a copy of {printable(copy_of)})"
     fields: list[tuple[str, str]] = [("call", call_id)]
     if record is not None:
         fields += [
@@ -301,7 +441,7 @@ def call_lines(
     return lines
 
 
-def stats_lines(stats: Any, *, colour: bool = False) -> list[str]:
+def stats_lines(stats: JournalStats, *, colour: bool = False) -> list[str]:
     """``stats`` for a person: totals, counts by status and by tool, the oldest open calls."""
     now = datetime.now(UTC)
     lines = [f"calls   {stats.calls}", f"events  {stats.events}", "", "by status"]
@@ -312,9 +452,9 @@ def stats_lines(stats: Any, *, colour: bool = False) -> list[str]:
         lines.append(f"  {paint(status.ljust(10), status, colour and count > 0)}  {count}")
     lines += ["", "by tool"]
     if stats.by_tool:
-        tool_width = max(len(t) for t in stats.by_tool)
+        tool_width = max(display_width(printable(t)) for t in stats.by_tool)
         for tool, count in sorted(stats.by_tool.items(), key=lambda item: (-item[1], item[0])):
-            lines.append(f"  {tool.ljust(tool_width)}  {count}")
+            lines.append(f"  {pad(printable(tool), tool_width)}  {count}")
     else:
         lines.append("  (none)")
     lines.append("")
@@ -324,7 +464,7 @@ def stats_lines(stats: Any, *, colour: bool = False) -> list[str]:
     return lines
 
 
-def stats_json(stats: Any) -> dict[str, Any]:
+def stats_json(stats: JournalStats) -> dict[str, Any]:
     return {
         "calls": stats.calls,
         "events": stats.events,

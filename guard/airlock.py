@@ -8,10 +8,12 @@ import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from time import perf_counter
 from typing import Any, Literal, TypeVar, cast
 
 import orjson
 
+from . import settling, telemetry
 from .canonical import (
     Binder,
     NotCanonical,
@@ -22,11 +24,14 @@ from .canonical import (
     to_json_value,
 )
 from .context import AirlockContext, CallContext, active, enter_call, leave_call
-from .effect_guard import TAGS_LOCK, EffectGuard, decide_attempt, reversibility_of
+from .duplicates import decide_duplicate, earlier_call
+from .effect_guard import DEFAULT_AMBIGUOUS_ERRORS, TAGS_LOCK, EffectGuard, decide_attempt, reversibility_of
 from .offload import offloaded, offloads
 from .oversight import OversightRequest, OversightResponse, OversightVerdict
 from .policy import SecurityPolicy, required_capabilities
+from .reconcile import reconciler_of
 from .refusal import AirlockBlocked, Refusal, make_refusal
+from .scope import AGENT_PREFIX, agent_scoped_id
 from .store import GUARD_ACTOR, CallRecord, Decision, EffectEvent, Verdict, current_owner, utc_now
 
 __all__ = ["Airlock", "airlock_of", "error_of", "message_of"]
@@ -123,7 +128,9 @@ _PLAIN = frozenset({dict, list, str, int, float, bool, type(None), tuple, bytes}
 class _Tool:
     """What the pipeline knows of one decorated function, read at its first call."""
 
-    __slots__ = ("binder", "capabilities", "irreversible", "key_prefix", "name", "recorded_name", "reversible")
+    __slots__ = (
+        "binder", "capabilities", "check", "irreversible", "key_prefix", "name", "recorded_name", "reversible",
+    )
 
     def __init__(self, fn: Callable[..., Any], wrapper: Callable[..., Any]) -> None:
         self.name: str = fn.__name__
@@ -134,14 +141,16 @@ class _Tool:
         self.reversible = tag == "reversible"
         self.irreversible = tag == "irreversible"
         self.capabilities = required_capabilities(wrapper)
+        self.check = reconciler_of(wrapper)
 
 
 class _Call:
     """One guarded call's way through the pipeline (section 2.4 of the contract)."""
 
     __slots__ = (
-        "agent_id", "airlock", "approval", "args", "arguments", "attempt", "context", "eg", "escalation",
-        "key", "kwargs", "metadata", "replay_value", "request", "tool", "tool_call_id", "verdict",
+        "agent_id", "airlock", "approval", "args", "arguments", "attempt", "call_id", "checked", "code", "context",
+        "duplicate", "eg", "escalation", "holder", "key", "kind", "kwargs", "metadata", "replay_value", "request",
+        "store_seconds", "tool", "tool_call_id", "verdict",
     )
 
     def __init__(self, airlock: Airlock, tool: _Tool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -160,6 +169,15 @@ class _Call:
             outer = host.call_context() if not isinstance(host, AirlockContext) else host
             self.agent_id, self.tool_call_id = outer.agent_id, None
             self.metadata = {k: v for k, v in outer.metadata.items() if k != "tool_call_id"}
+        # The id the store keeps the call under: the tool call id, or with id_scope="agent" the pair.
+        tool_call_id = self.tool_call_id
+        if tool_call_id is not None and self.eg is not None and self.eg.id_scope == "agent":
+            self.call_id: str | None = agent_scoped_id(self.agent_id, tool_call_id)
+        else:
+            self.call_id = storable(tool_call_id)
+        self.duplicate: CallRecord | None = None
+        self.holder: str | None = None  # this call's lease on its id, when the guard takes leases
+        self.checked = False  # the tool's check has run on this call's record
         self.arguments: str | None = None
         self.key: str | None = None
         self.escalation: str | None = None
@@ -169,12 +187,16 @@ class _Call:
         self.attempt = 0
         self.replay_value: Any = None
         self.context: CallContext | None = None
+        self.code: str | None = None  # the refusal's code
+        self.kind: str | None = None  # the outcome recorded
+        self.store_seconds: float | None = None  # time in the store, while a span is open
 
     # -- refusals ------------------------------------------------------------------------------
 
     def refuse(self, code: str, error: str, journal: bool = True, bind: bool = True, **details: Any) -> Refusal:
         if journal and bind and self.eg is not None and self.arguments is None:
             self._key_for_the_record()
+        self.code = code
         hints = _HINTS.get(str(details.get("violation_type")), ()) or _HINTS.get(code, ())
         refusal = make_refusal(
             code, error, hints,
@@ -185,7 +207,7 @@ class _Call:
             self.record(
                 EffectEvent(
                     # The ids may come from the model: a lone surrogate in one would make the event unstorable.
-                    kind="refused", call_id=storable(self.tool_call_id), tool=self.tool.recorded_name,
+                    kind="refused", call_id=self.call_id, tool=self.tool.recorded_name,
                     agent_id=storable(self.agent_id), idempotency_key=self.key, arguments=self.arguments,
                     reason={"code": code, "message": storable(error)}, attempt=self.attempt,
                 )
@@ -346,11 +368,34 @@ class _Call:
 
     def begin(self) -> Refusal | None:
         """The effect guard's atomic begin; sets ``verdict`` (None when the call runs unguarded)."""
-        eg, call_id = self.eg, self.tool_call_id
+        eg, call_id = self.eg, self.call_id
         if eg is not None and call_id is not None:
+            if eg.id_scope == "global" and call_id.startswith(AGENT_PREFIX):
+                self.call_id = None  # journaled without the id, which names a call of the agent scope
+                return self.refuse(
+                    "policy_violation",
+                    f"The tool call id {call_id!r} has the form kept for ids scoped by agent ('agent:...'); "
+                    "it was not run.",
+                    violation_type="tool_call_id_reserved",
+                )
             try:
-                decision = eg.store.begin(storable(call_id), self.decide)
+                if eg.duplicate_window is not None:
+                    assert self.key is not None
+                    self.duplicate = earlier_call(
+                        eg.store, eg.duplicate_window, call_id, storable(self.agent_id), self.key)
+                if eg.lease is not None and self.holder is None:
+                    self.holder = settling.take_lease(eg.store, call_id, eg.lease)
+                try:
+                    decision = self.store_begin(call_id)
+                except settling.NeedsCheck as doubt:  # nothing was appended: check first, then decide again
+                    assert self.tool.check is not None
+                    self.checked = True
+                    settling.reconcile_record(
+                        eg.store, doubt.record, self.tool.check, self.holder,
+                        appended=None if eg.on_event is None else functools.partial(telemetry.deliver, eg.on_event))
+                    decision = self.store_begin(call_id)
             except Exception as e:
+                self.let_go()
                 log.error("store could not record pending for %s (tool_call_id=%s): %r", self.tool.name, call_id, e)
                 return self.refuse(
                     "store_unavailable",
@@ -360,6 +405,13 @@ class _Call:
                 )
             self.verdict = verdict = decision.verdict
             self.attempt = decision.event.attempt
+            if self.holder is not None:
+                if verdict is _RUN:
+                    settling.keep(eg.store, call_id, self.holder, eg.lease or 0.0)
+                elif settling.leases_in_begin(eg.store) and not self.checked:
+                    self.holder = None  # its begin took no lease for a call that does not run
+                else:
+                    self.let_go()
             if verdict is _REFUSE:
                 return self.refuse(str(decision.code), str(decision.message), journal=False, **decision.details)
             if verdict is _REPLAY:
@@ -370,14 +422,28 @@ class _Call:
 
     def decide(self, record: CallRecord | None) -> Decision:
         """The replay table's decision for this call, given the store's record of its id."""
-        assert self.tool_call_id is not None and self.key is not None and self.arguments is not None
+        assert self.call_id is not None and self.key is not None and self.arguments is not None
         tool = self.tool
+        if record is None and self.duplicate is not None:  # a new id repeating a recent call: answered as it
+            return decide_duplicate(
+                self.duplicate, self.call_id, tool.recorded_name, self.key, self.arguments, storable(self.agent_id))
         # The ids may come from the model: one with a lone surrogate is recorded as its backslash
         # escape, which every store can keep, as a refusal's is.
-        return decide_attempt(
-            record, storable(self.tool_call_id), tool.recorded_name, self.key, self.arguments, storable(self.agent_id),
+        decision = decide_attempt(
+            record, self.call_id, tool.recorded_name, self.key, self.arguments, storable(self.agent_id),
             tool.reversible, self.approval,
         )
+        if (decision.code == "effect_status_unknown" and tool.check is not None and not self.checked
+                and record is not None and self.eg is not None and self.eg.reconcile_on_retry
+                and settling.can_settle(self.eg.store)):
+            raise settling.NeedsCheck(record)
+        return decision
+
+    def let_go(self) -> None:
+        """Let go of this call's lease (its tool has finished, or will not run)."""
+        holder, self.holder = self.holder, None
+        if holder is not None and self.eg is not None and self.call_id is not None:
+            settling.let_go(self.eg.store, self.call_id, holder)
 
     def call_context(self) -> CallContext:
         """The per-call copy of the host's context, made when the tool first asks for it."""
@@ -392,13 +458,18 @@ class _Call:
 
     def outcome(self, kind: str, value: str | None = None, error: dict[str, str] | None = None,
                 reason: dict[str, str] | None = None) -> None:
+        self.kind = kind
         self.record(EffectEvent(
-            kind, storable(self.tool_call_id), self.tool.recorded_name, utc_now(), storable(self.agent_id), self.key,
+            kind, self.call_id, self.tool.recorded_name, utc_now(), storable(self.agent_id), self.key,
             self.arguments, value, error, reason, GUARD_ACTOR, self.attempt, current_owner(),
         ))
+        if self.holder is not None:
+            self.let_go()
 
     def returned(self, result: Any) -> None:
         if self.verdict is not _RUN:
+            if self.store_seconds is not None:  # traced: the span tells what came of a call run unguarded
+                self.kind = "unknown" if is_deferred(result) else "committed"
             return
         kind = "committed"
         try:
@@ -422,6 +493,9 @@ class _Call:
 
     def raised(self, exc: BaseException) -> None:
         if self.verdict is not _RUN:
+            if self.store_seconds is not None:  # traced: the span tells what came of a call run unguarded
+                ambiguous = self.eg.ambiguous_errors if self.eg is not None else DEFAULT_AMBIGUOUS_ERRORS
+                self.kind = "released" if isinstance(exc, Exception) and not isinstance(exc, ambiguous) else "unknown"
             return
         eg = self.eg
         assert eg is not None
@@ -446,11 +520,64 @@ class _Call:
             self.not_recorded(kind, e)  # the caller still gets the tool's exception
 
     def record(self, event: EffectEvent) -> None:
-        assert self.eg is not None
+        eg = self.eg
+        assert eg is not None
         try:
-            self.eg.store.append(event)
+            if self.store_seconds is None:
+                self.append_on(eg, event)
+            else:
+                started = perf_counter()
+                try:
+                    self.append_on(eg, event)
+                finally:
+                    self.store_seconds += perf_counter() - started
         except Exception as e:
             self.not_recorded(event.kind, e)
+            return
+        if eg.on_event is not None:
+            telemetry.deliver(eg.on_event, event)
+
+    def begin_on(self, eg: EffectGuard, call_id: str) -> Decision:
+        """``begin`` on the guard's store; a store that takes a lease in the same transaction is
+        given this call's (see :mod:`guard.settling`)."""
+        if self.holder is not None and settling.leases_in_begin(eg.store):
+            return eg.store.begin(call_id, self.decide, lease=(self.holder, eg.lease))  # type: ignore[call-arg]
+        return eg.store.begin(call_id, self.decide)
+
+    def append_on(self, eg: EffectGuard, event: EffectEvent) -> None:
+        """``append`` on the guard's store; an outcome drops this call's lease in the same
+        transaction on a store that can."""
+        holder = self.holder
+        if holder is not None and event.kind != "refused" and settling.leases_in_begin(eg.store):
+            eg.store.append(event, drop_lease=holder)  # type: ignore[call-arg]
+            self.holder = None
+            settling.stop_renewing(eg.store, event.call_id or "", holder)
+            return
+        eg.store.append(event)
+
+    def store_begin(self, call_id: str) -> Decision:
+        """The store's atomic begin, timed while a span is open; its event goes to ``on_event``."""
+        eg = self.eg
+        assert eg is not None
+        if self.store_seconds is None:
+            decision = self.begin_on(eg, call_id)
+        else:
+            started = perf_counter()
+            try:
+                decision = self.begin_on(eg, call_id)
+            finally:
+                self.store_seconds += perf_counter() - started
+        if eg.on_event is not None:
+            telemetry.deliver(eg.on_event, decision.event)
+        return decision
+
+    @property
+    def tool_name(self) -> str:
+        return self.tool.recorded_name
+
+    @property
+    def replayed(self) -> bool:
+        return self.verdict is _REPLAY
 
     def not_recorded(self, kind: str, e: Exception) -> None:
         log.error(
@@ -521,8 +648,12 @@ class Airlock:
             else:
                 call.key = key_from_canonical(tool.key_prefix, canonical)
                 call.arguments = canonical.decode()
-        refusal = call.first_gates(bind=False)
-        return self.blocked(refusal if refusal is not None else call.refuse(code, error, bind=False, **details))
+
+        def refused(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            refusal = call.first_gates(bind=False)
+            return self.blocked(refusal if refusal is not None else call.refuse(code, error, bind=False, **details))
+
+        return telemetry.traced(call, refused, (), {}) if telemetry.on else refused(call, (), {})
 
     def __call__(self, fn: F) -> F:
         if not callable(fn) or not isinstance(getattr(fn, "__name__", None), str):
@@ -543,9 +674,7 @@ class Airlock:
 
         if inspect.iscoroutinefunction(fn):
 
-            @functools.wraps(fn)
-            async def wrapper(*args: Any, **kwargs: Any) -> Any:
-                call = _Call(self, cache[0] if cache else tool(), args, kwargs)
+            async def guarded_async(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 off_loop = call.eg is not None and offloads(call.eg.store)
                 if off_loop:
                     refusal = await offloaded(call.gates_and_begin, droppable=True, after=call.abandoned)
@@ -586,11 +715,16 @@ class Airlock:
                     call.returned(result)
                 return result
 
+            @functools.wraps(fn)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                call = _Call(self, cache[0] if cache else tool(), args, kwargs)
+                if telemetry.on:  # the one check a call pays when OpenTelemetry is absent
+                    return await telemetry.atraced(call, guarded_async, args, kwargs)
+                return await guarded_async(call, args, kwargs)
+
         else:
 
-            @functools.wraps(fn)
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                call = _Call(self, cache[0] if cache else tool(), args, kwargs)
+            def guarded(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 refusal = call.gates()
                 if refusal is None and call.escalation is not None:
                     try:
@@ -620,6 +754,13 @@ class Airlock:
                     leave_call(token)
                 call.returned(result)
                 return result
+
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                call = _Call(self, cache[0] if cache else tool(), args, kwargs)
+                if telemetry.on:  # the one check a call pays when OpenTelemetry is absent
+                    return telemetry.traced(call, guarded, args, kwargs)
+                return guarded(call, args, kwargs)
 
         def retag() -> None:
             # A @reversibility or @requires put on above this wrapper after its first call.

@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
 from .canonical import idempotency_key
+from .duplicates import finds_recent_calls
+from .leases import LeaseStore
 from .memory import InMemoryEffectStore
 from .store import (
     GUARD_ACTOR,
@@ -192,10 +194,17 @@ class EffectGuard:
                 raise TypeError(f"ambiguous_errors takes exception classes, not {error!r}")
         self.reconcile_on_retry = bool(reconcile_on_retry)
         self.lease: float | None = _seconds("lease", lease)
+        if self.lease is not None and not isinstance(self.store, LeaseStore):
+            raise TypeError(f"lease needs a store that keeps leases (SQLiteJournal, PostgresJournal, "
+                            f"InMemoryEffectStore, or one with the methods of guard.leases.LeaseStore), not "
+                            f"{type(self.store).__name__}")
         if id_scope not in ("global", "agent"):
             raise ValueError(f"id_scope is 'global' or 'agent', not {id_scope!r}")
         self.id_scope: Literal["global", "agent"] = id_scope
         self.duplicate_window: float | None = _seconds("duplicate_window", duplicate_window)
+        if self.duplicate_window is not None and not finds_recent_calls(self.store):
+            raise TypeError(f"duplicate_window needs a store that can look calls up by agent and idempotency key "
+                            f"(a recent_call method), which {type(self.store).__name__} has not")
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event takes a callable (called with each journaled event), not {on_event!r}")
         self.on_event = on_event

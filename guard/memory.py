@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
+from datetime import datetime, timedelta
 
-from .store import CallRecord, Decide, Decision, EffectEvent, apply
+from .leases import OwnerState, Settle
+from .store import CallRecord, Decide, Decision, EffectEvent, apply, utc_now
 
 __all__ = ["InMemoryEffectStore"]
 
@@ -17,6 +20,9 @@ class InMemoryEffectStore:
         self._lock = threading.Lock()
         self._records: dict[str, CallRecord] = {}
         self._log: list[EffectEvent] = []
+        self._leases: dict[str, dict[str, float]] = {}  # call id -> holder -> when it runs out (monotonic)
+        # (agent_id, idempotency_key) -> its calls' ids, oldest first: the lookup of recent_call.
+        self._by_key: dict[tuple[str | None, str], list[str]] = {}
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         with self._lock:
@@ -33,13 +39,92 @@ class InMemoryEffectStore:
         self._log.append(event)
         call_id = event.call_id
         if call_id is not None:
-            record = apply(self._records.get(call_id), event, seq)
+            before = self._records.get(call_id)
+            record = apply(before, event, seq)
             if record is not None:
                 self._records[call_id] = record
+                if before is None and record.idempotency_key is not None:
+                    self._by_key.setdefault((record.agent_id, record.idempotency_key), []).append(call_id)
 
     def get(self, call_id: str) -> CallRecord | None:
         with self._lock:
             return self._records.get(call_id)
+
+    # -- leases (see guard.leases); the store's clock is this process's monotonic clock ----------
+
+    def take_lease(self, call_id: str, holder: str, seconds: float) -> None:
+        with self._lock:
+            self._leases.setdefault(call_id, {})[holder] = time.monotonic() + seconds
+
+    def renew_lease(self, call_id: str, holder: str, seconds: float) -> bool:
+        with self._lock:
+            held = self._leases.get(call_id)
+            if held is None or holder not in held:
+                return False
+            held[holder] = time.monotonic() + seconds
+            return True
+
+    def drop_lease(self, call_id: str, holder: str) -> None:
+        with self._lock:
+            held = self._leases.get(call_id)
+            if held is not None:
+                held.pop(holder, None)
+                if not held:
+                    del self._leases[call_id]
+
+    def claim_lease(self, call_id: str, holder: str, seconds: float) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            held = self._leases.setdefault(call_id, {})
+            if any(until > now for other, until in held.items() if other != holder):
+                return False
+            # Every guarded call of this process takes a lease when its guard has one; a pending
+            # call without one was begun by a guard without: its owner is this process, alive.
+            record = self._records.get(call_id)
+            if record is not None and record.status == "pending" and not any(o != holder for o in held):
+                return False
+            held[holder] = now + seconds
+            return True
+
+    def settle(self, call_id: str, choose: Settle) -> int | None:
+        with self._lock:
+            record = self._records.get(call_id)
+            event = choose(record, self._alive(record))
+            if event is None:
+                return None
+            self._append(event)
+            return len(self._log)
+
+    def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]:
+        with self._lock:
+            now, wall = time.monotonic(), utc_now()
+            states: dict[str, OwnerState] = {}
+            for record in records:
+                held = self._leases.get(record.call_id)
+                until = max(held.values()) if held else None
+                expires = None if until is None else wall + timedelta(seconds=until - now)
+                states[record.call_id] = OwnerState(self._alive(record), expires)
+            return states
+
+    def _alive(self, record: CallRecord | None) -> bool | None:
+        if record is None or record.status != "pending":
+            return None
+        held = self._leases.get(record.call_id)
+        if not held:
+            return True  # begun in this process by a guard without a lease, and this process runs
+        return max(held.values()) > time.monotonic()
+
+    def recent_call(self, agent_id: str | None, idempotency_key: str, since: datetime) -> CallRecord | None:
+        """The most recent call of ``agent_id`` with ``idempotency_key`` begun at or after ``since`` and
+        not released, or None (the lookup of ``EffectGuard(duplicate_window=...)``)."""
+        with self._lock:
+            for call_id in reversed(self._by_key.get((agent_id, idempotency_key), ())):
+                record = self._records[call_id]
+                if record.created_at < since:
+                    break
+                if record.status != "released":
+                    return record
+        return None
 
     def events(self, call_id: str | None = None) -> list[EffectEvent]:
         """The log in ``seq`` order (each event with its ``seq``), or one call's part of it."""

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["APPLICATION", "MIGRATIONS", "SCHEMA_VERSION", "TABLES", "USER_SCHEMA", "search_path_schemas"]
+__all__ = [
+    "APPLICATION", "MIGRATIONS", "SCHEMA_VERSION", "TABLES", "USER_SCHEMA", "search_path_schemas", "tables_of",
+]
 
 APPLICATION = "airlock-journal"
 
-TABLES = ("airlock_journal_meta", "events", "calls", "chain_head")
+TABLES = ("airlock_journal_meta", "events", "calls", "chain_head", "leases", "archives", "calls_archived")
 
 _V1 = (
     """
@@ -106,8 +108,104 @@ _V1 = (
 )
 
 # version -> the statements that bring a journal from version - 1 to it.
-MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1}
+_V2_LEASES = (
+    # Operational state beside the log (see the SQLite schema's version 4); the times are the
+    # server's, so replicas on hosts whose clocks differ agree on which lease has run out.
+    """
+    CREATE TABLE leases (
+        call_id text NOT NULL,
+        holder text NOT NULL,
+        expires_at timestamptz NOT NULL,
+        PRIMARY KEY (call_id, holder)
+    )
+    """,
+)
+
+_V3_CALLS_BY_KEY = (
+    # The lookup of a duplicate window: an agent's recent calls with one idempotency key.
+    "CREATE INDEX calls_idempotency_key ON calls (idempotency_key, created_at)",
+)
+
+_V4_ARCHIVES = (
+    # Archiving moves the oldest events out of the log (see the SQLite schema's version 6): each
+    # archive's head, and the projection as of that head, which the rest of the log is folded onto.
+    """
+    CREATE TABLE archives (
+        last_seq bigint PRIMARY KEY,
+        last_hash text NOT NULL,
+        events bigint NOT NULL,
+        archived_at text NOT NULL,
+        file text NOT NULL
+    )
+    """,
+    # A call's row as of the head: its id, and the other columns of calls as one JSON array.
+    "CREATE TABLE calls_archived (call_id text PRIMARY KEY, record text NOT NULL)",
+    # The trigger lets a DELETE through only inside airlock_archive_events, which sets the flag for
+    # its own statement. Only a role with DELETE on events (the owner: the function runs as it) could
+    # set the flag itself, and the owner can drop the trigger anyway.
+    """
+    CREATE OR REPLACE FUNCTION airlock_events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP = 'DELETE' AND current_setting('airlock.archiving', true) = 'on' THEN
+            RETURN OLD;
+        END IF;
+        RAISE EXCEPTION 'the airlock journal is append-only: % of events is refused', TG_OP
+            USING ERRCODE = 'integrity_constraint_violation';
+    END
+    $$
+    """,
+    # Run as its owner (SECURITY DEFINER), so an operator needs only EXECUTE on it, never DELETE on
+    # events: it removes the events up to upto_seq, never the last one, only where the log still
+    # holds upto_seq with upto_hash and the last archive is the one the caller read, and records the
+    # archive's head in the same transaction.
+    """
+    DO $do$
+    BEGIN
+    EXECUTE format($make$
+    CREATE FUNCTION %1$I.airlock_archive_events(
+        expected_base bigint, upto_seq bigint, upto_hash text, archived_at text, archive_file text
+    ) RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER SET search_path = %1$I, pg_temp AS $fn$
+    DECLARE h_seq bigint; found_hash text; base bigint; removed bigint;
+    BEGIN
+        SELECT seq INTO h_seq FROM chain_head WHERE id = 1 FOR UPDATE;
+        IF upto_seq >= h_seq THEN
+            RAISE EXCEPTION 'the last event of the log (seq %%) stays in it', h_seq
+                USING ERRCODE = 'integrity_constraint_violation';
+        END IF;
+        SELECT coalesce(max(last_seq), 0) INTO base FROM archives;
+        IF base <> expected_base THEN
+            RAISE EXCEPTION 'another archive moved the log to seq %% meanwhile', base
+                USING ERRCODE = 'integrity_constraint_violation';
+        END IF;
+        SELECT hash INTO found_hash FROM events WHERE seq = upto_seq;
+        IF found_hash IS DISTINCT FROM upto_hash THEN
+            RAISE EXCEPTION 'event seq %% is not the one archived', upto_seq
+                USING ERRCODE = 'integrity_constraint_violation';
+        END IF;
+        PERFORM set_config('airlock.archiving', 'on', true);
+        DELETE FROM events WHERE seq <= upto_seq;
+        GET DIAGNOSTICS removed = ROW_COUNT;
+        PERFORM set_config('airlock.archiving', '', true);
+        INSERT INTO archives (last_seq, last_hash, events, archived_at, file)
+            VALUES (upto_seq, upto_hash, removed, archived_at, archive_file);
+        RETURN removed;
+    END
+    $fn$
+    $make$, current_schema());
+    END
+    $do$
+    """,
+    "REVOKE ALL ON FUNCTION airlock_archive_events(bigint, bigint, text, text, text) FROM PUBLIC",
+)
+
+MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_LEASES, 3: _V3_CALLS_BY_KEY, 4: _V4_ARCHIVES}
 SCHEMA_VERSION = max(MIGRATIONS)
+_SINCE = {"leases": 2, "archives": 4, "calls_archived": 4}  # a table that came with a later version than the first
+
+
+def tables_of(version: int) -> tuple[str, ...]:
+    """The tables a journal of schema ``version`` has."""
+    return tuple(t for t in TABLES if _SINCE.get(t, 1) <= version)
 
 
 USER_SCHEMA = "$user"  # a search_path entry that stands for the schema named after the login

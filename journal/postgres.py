@@ -36,15 +36,19 @@ from psycopg.sql import SQL, Identifier
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from guard.canonical import NotCanonical
-from guard.store import CallRecord, Decide, Decision, EffectEvent, apply
+from guard.leases import OwnerState, Settle
+from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at, utc_now
 
-from . import pg_schema
+from . import archive, pg_schema
 from .chain import GENESIS, ChainCheck, hash_of
 from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, StoreBusy, unstorable
 from .events import JournalEvent, JournalStats, VerifyReport
+from .leasing import SWEEP_EVERY, owner_state, pending_alive, unclaimable
 from .open import without_secrets
+from .pg_deadline import DeadlineConnection
 from .projection import fold_into
-from .reading import LogReads, call_filter, event_filter
+from .reading import LogReads, call_filter, event_filter, page
+from .reconcile import Reconciling
 from .rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
@@ -72,6 +76,19 @@ _BATCH = 1000
 # parent's sessions on the sockets they share); they are parked here instead.
 _INHERITED: list[object] = []
 _CALL_SELECT = f"SELECT {', '.join(CALL_COLUMNS)} FROM calls"
+_TAKE_LEASE = ("INSERT INTO leases (call_id, holder, expires_at) "
+               "VALUES (%s, %s, clock_timestamp() + make_interval(secs => %s)) "
+               "ON CONFLICT (call_id, holder) DO UPDATE SET expires_at = excluded.expires_at RETURNING 1")
+_RENEW_LEASE = ("UPDATE leases SET expires_at = clock_timestamp() + make_interval(secs => %s) "
+                "WHERE call_id = %s AND holder = %s RETURNING 1")
+_DROP_LEASE = "DELETE FROM leases WHERE call_id = %s AND holder = %s RETURNING 1"
+_LOCK_LEASES = "SELECT pg_advisory_xact_lock(hashtext('airlock-journal:lease:' || %s))"
+_LEASES_OF = "SELECT holder, expires_at > clock_timestamp() FROM leases WHERE call_id = %s"
+_LATEST_LEASE = "SELECT max(expires_at), clock_timestamp() FROM leases WHERE call_id = %s"
+_LATEST_LEASES = ("SELECT call_id, max(expires_at), clock_timestamp() FROM leases "
+                  "WHERE call_id = ANY(%s) GROUP BY call_id")
+_SWEEP_LEASES = ("DELETE FROM leases WHERE expires_at < clock_timestamp() AND call_id NOT IN "
+                 "(SELECT call_id FROM calls WHERE status = 'pending') RETURNING 1")
 _EVENT_SELECT = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events"
 _INSERT_EVENT = (
     f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) VALUES ({', '.join(['%s'] * len(EVENT_COLUMNS))})"
@@ -340,16 +357,19 @@ class _Tx:
         self.committing = False
 
 
-class PostgresJournal(LogReads):
+class PostgresJournal(LogReads, Reconciling):
     """A journal in a PostgreSQL database (its tables in the first schema of the connection's
     search_path, named by :attr:`schema` once open).
 
     ``PostgresJournal(dsn, busy_timeout=30.0, pool_size=8, readonly=False, create=True,
-    connect_timeout=5.0)``. ``dsn`` is a libpq URL or key=value string. ``create`` makes the
+    connect_timeout=5.0, timeout=10.0)``. ``dsn`` is a libpq URL or key=value string. ``create`` makes the
     tables in an empty schema; the database itself must exist, in the UTF8 or SQL_ASCII encoding.
     ``busy_timeout`` bounds the wait for the journal's write lock and for a free pooled connection
-    (then :class:`StoreBusy`); ``connect_timeout`` bounds a connection attempt. One object is safe
-    to share between threads.
+    (then :class:`StoreBusy`); ``connect_timeout`` bounds a connection attempt; ``timeout`` is how
+    long the server may take to answer, past the lock wait ``busy_timeout`` allows: an exchange
+    with the server that takes longer than ``busy_timeout + timeout`` seconds (a frozen server) is
+    cut off by the client, and the journal treats it as a lost connection (``begin`` then raises,
+    and the guard refuses the call ``store_unavailable``). One object is safe to share between threads.
 
     Raises :class:`JournalNotFound` (no such database or schema, or an empty one and ``create``
     false), :class:`NotAJournal` (the schema holds another application's tables),
@@ -370,9 +390,12 @@ class PostgresJournal(LogReads):
         readonly: bool = False,
         create: bool = True,
         connect_timeout: float = 5.0,
+        timeout: float = 10.0,
     ) -> None:
         if busy_timeout <= 0 or connect_timeout <= 0:
             raise ValueError("busy_timeout and connect_timeout must be positive")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"timeout is a number of seconds, more than 0, not {timeout!r}")
         if pool_size < 1:
             raise ValueError("pool_size must be at least 1")
         self.dsn = dsn
@@ -380,6 +403,7 @@ class PostgresJournal(LogReads):
         self.readonly = readonly
         self.busy_timeout = busy_timeout
         self.connect_timeout = connect_timeout
+        self.timeout = float(timeout)
         self._connect_kwargs: dict[str, Any] = {
             "autocommit": True,
             "connect_timeout": max(1, round(connect_timeout)),
@@ -406,6 +430,7 @@ class PostgresJournal(LogReads):
         # the hash of the record's last event where it is known.
         self._recent: tuple[_Head, str | None, CallRecord | None, str | None] | None = None
         self._skip_cas = 0
+        self._taken = 0  # leases taken by this object, for the sweep of those run out
         # Whether this object's sessions have the server-side append (a login that may not make
         # temporary objects does without it), and a seq at or before the head: every event this
         # object appends from now on comes after it.
@@ -440,6 +465,7 @@ class PostgresJournal(LogReads):
             min_size=1,
             max_size=self.pool_size,
             configure=self._configure,
+            connection_class=DeadlineConnection,
             timeout=self.busy_timeout,
             name="airlock-journal",
             open=False,
@@ -450,6 +476,7 @@ class PostgresJournal(LogReads):
     # -- connections and errors ---------------------------------------------------------------
 
     def _configure(self, conn: Conn) -> None:
+        self._set_deadline(conn)
         settings = [
             # Each statement sees every commit before it; a read after the head's lock sees the
             # appends that lock waited for (a database whose default is REPEATABLE READ would
@@ -483,9 +510,16 @@ class PostgresJournal(LogReads):
 
     def _connect_direct(self, doing: str) -> Conn:
         try:
-            return psycopg.connect(self.dsn, **self._connect_kwargs)
+            conn: Conn = DeadlineConnection.connect(self.dsn, **self._connect_kwargs)
         except psycopg.Error as e:
             raise self._translate(e, doing) from e
+        self._set_deadline(conn)
+        return conn
+
+    def _set_deadline(self, conn: Conn) -> None:
+        # The server is given the lock wait it is allowed (lock_timeout), and timeout more to answer.
+        if isinstance(conn, DeadlineConnection):
+            conn.set_deadline(self.busy_timeout + self.timeout)
 
     def _translate(self, e: Exception, doing: str) -> JournalError:
         """The one place a psycopg (or pool) error becomes the journal's own."""
@@ -749,7 +783,7 @@ class PostgresJournal(LogReads):
                 f"the journal {self.name} has schema version {version}, newer than this library's "
                 f"{pg_schema.SCHEMA_VERSION}; upgrade airlock-journal to open it (it was left unchanged)"
             )
-        missing = [t for t in pg_schema.TABLES if t not in relations]
+        missing = [t for t in pg_schema.tables_of(version) if t not in relations]
         if missing:
             raise NotAJournal(f"{self.name} is a damaged journal: it lacks the tables {', '.join(missing)}; "
                               "it was left unchanged")
@@ -1062,6 +1096,20 @@ class PostgresJournal(LogReads):
         rows = self._read("read the call", f"{_CALL_SELECT} WHERE call_id = %s", (call_id,))
         return self._decoded(record_from_row, rows[0]) if rows else None
 
+    def recent_call(self, agent_id: str | None, idempotency_key: str, since: datetime) -> CallRecord | None:
+        """The most recent call of ``agent_id`` with ``idempotency_key`` begun at or after ``since`` and
+        not released, or None (the lookup of ``EffectGuard(duplicate_window=...)``)."""
+        if not holds(idempotency_key, nul=False) or (agent_id is not None and not holds(agent_id, nul=False)):
+            return None
+        agent, params = ("agent_id IS NULL", ()) if agent_id is None else ("agent_id = %s", (agent_id,))
+        rows = self._read(
+            "look up a recent call",
+            f"{_CALL_SELECT} WHERE idempotency_key = %s AND created_at >= %s AND {agent} AND status != 'released' "
+            "ORDER BY created_at DESC, call_id DESC LIMIT 1",
+            (idempotency_key, format_at(since), *params),
+        )
+        return self._decoded(record_from_row, rows[0]) if rows else None
+
     def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:
         try:
             return decode(row)
@@ -1082,16 +1130,14 @@ class PostgresJournal(LogReads):
         agent_id: str | None = None,
         since: datetime | None = None,
         limit: int | None = 50,
+        offset: int = 0,
     ) -> list[CallRecord]:
         """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status
-        (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
+        (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all),
+        after skipping the first ``offset`` (the pages of a long list)."""
         where, params = call_filter("%s", False, status, tool, agent_id, since)
         sql = _CALL_SELECT + (" WHERE " + " AND ".join(where) if where else "")
-        sql += " ORDER BY updated_at DESC, call_id DESC"
-        if limit is not None:
-            if limit < 0:
-                raise ValueError(f"limit is a number of calls, 0 or more, not {limit}")
-            sql += f" LIMIT {int(limit)}"
+        sql += " ORDER BY updated_at DESC, call_id DESC" + page(limit, offset, "ALL")
         return [self._decoded(record_from_row, r) for r in self._read("read the calls", sql, params)]
 
     @staticmethod
@@ -1147,6 +1193,26 @@ class PostgresJournal(LogReads):
         rows = self._read("read the chain head", "SELECT seq, hash FROM chain_head WHERE id = 1")
         return (int(rows[0][0]), str(rows[0][1])) if rows else (0, GENESIS)
 
+    # -- archiving (journal.archive) -------------------------------------------------------------
+
+    def archived_head(self) -> tuple[int, str]:
+        """The seq and hash of the last archived event, where the log now starts; ``(0, GENESIS)``
+        when nothing was archived."""
+        rows = self._read("read the archived head", "SELECT last_seq, last_hash FROM archives "
+                          "ORDER BY last_seq DESC LIMIT 1")
+        return (int(rows[0][0]), str(rows[0][1])) if rows else (0, GENESIS)
+
+    def commit_archive(self, plan: archive.ArchivePlan, file: str, archived_at: str) -> int:
+        """Remove the events ``plan`` moves, once they are in the archive ``file``, in one
+        transaction that holds the chain head and also records the archive's head; returns how many
+        were removed. The login needs EXECUTE on ``airlock_archive_events`` (see docs/postgres.md)."""
+
+        def work(conn: Conn) -> int:
+            conn.execute(_LOCK_HEAD).fetchone()
+            return archive.postgres_commit(conn, plan, file, archived_at)
+
+        return self._write("archive the events", work, pipeline=False, retry=False)
+
     def stats(self) -> JournalStats:
         """Counts of calls by status and tool, and when the oldest pending and unknown calls
         entered that status."""
@@ -1171,16 +1237,17 @@ class PostgresJournal(LogReads):
 
     # -- checking and repairing ---------------------------------------------------------------
 
-    def verify(self) -> VerifyReport:
+    def verify(self, *, advance: Callable[[int], None] | None = None) -> VerifyReport:
         """Recompute the hash chain and check the projection and the head against the log, on one
-        consistent snapshot (writers carry on meanwhile)."""
+        consistent snapshot (writers carry on meanwhile). ``advance`` is told of each stretch of
+        events checked (a progress bar's update)."""
         doing = "verify the journal"
         for attempt in (1, 2):
             conn = self._getconn(doing)
             try:
                 with conn.transaction():
                     conn.execute(b"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                    return self._verify(conn)
+                    return self._verify(conn, advance)
             except psycopg.Error as e:
                 if conn.broken:
                     self._connection_broke()
@@ -1191,13 +1258,16 @@ class PostgresJournal(LogReads):
                 self._pool.putconn(conn)
         raise AssertionError("unreachable")
 
-    def _verify(self, conn: Conn) -> VerifyReport:
-        check = ChainCheck()
-        folded: dict[str, CallRecord] = {}
+    def _verify(self, conn: Conn, advance: Callable[[int], None] | None = None) -> VerifyReport:
+        # The log goes on from the last archive's head, folded onto the projection as of that head.
+        check = ChainCheck(start=archive.postgres_archived_head(conn))
+        folded = {row[0]: self._decoded(record_from_row, row) for row in archive.postgres_snapshot(conn)}
         with conn.cursor(name="airlock_verify") as cur:
             cur.itersize = _BATCH
             cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
             for row in cur:
+                if advance is not None and row[0] % _BATCH == 0:
+                    advance(_BATCH)
                 try:
                     event = event_from_row(row)
                     expected = hash_of(event)
@@ -1211,40 +1281,45 @@ class PostgresJournal(LogReads):
         if not report.ok:
             return report
         head = conn.execute(b"SELECT seq, hash FROM chain_head WHERE id = 1").fetchone()
-        if head is None or (int(head[0]), str(head[1])) != (report.events, report.head):
-            if head is not None and int(head[0]) > report.events:
+        log_end = check.last_seq
+        if head is None or (int(head[0]), str(head[1])) != (log_end, report.head):
+            if head is not None and int(head[0]) > log_end:
                 # The log was cut short: the first event missing is the first bad one.
-                first, last = report.events + 1, int(head[0])
+                first, last = log_end + 1, int(head[0])
                 missing = f"seq {first} is" if first == last else f"seq {first} to {last} are"
                 return VerifyReport(
                     ok=False, events=report.events, head=report.head, first_bad_seq=first,
-                    problem=f"{missing} missing: the log ends at seq {report.events} but the chain head "
+                    problem=f"{missing} missing: the log ends at seq {log_end} but the chain head "
                             f"row records seq {last}",
                 )
             return VerifyReport(
-                ok=False, events=report.events, head=report.head, first_bad_seq=report.events or None,
+                ok=False, events=report.events, head=report.head, first_bad_seq=log_end or None,
                 problem=f"the chain head row {head!r} does not match the last event",
             )
         stored = {r[0]: _record_or_none(r) for r in conn.execute(_CALL_SELECT.encode()).fetchall()}
-        problem = projection_problem(folded, stored)
+        problem = projection_problem(folded, stored, check.last_seq)
         if problem is not None:
             bad_seq, text = problem
             return VerifyReport(ok=False, events=report.events, head=report.head, first_bad_seq=bad_seq,
                                 problem=text)
         return report
 
-    def rebuild(self) -> int:
-        """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls."""
+    def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
+        """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls.
+        ``advance`` is told of each batch of events folded."""
 
         def work(conn: Conn) -> int:
             conn.execute(_LOCK_HEAD).fetchone()
-            folded: dict[str, CallRecord] = {}
+            # From the projection as of the last archive's head (none: from an empty one).
+            folded = {row[0]: self._decoded(record_from_row, row) for row in archive.postgres_snapshot(conn)}
             # A server-side cursor: the log comes in batches, never whole into this process's memory.
             with conn.cursor(name="airlock_rebuild") as cur:
                 cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
                 while rows := cur.fetchmany(_BATCH):
                     for row in rows:
                         fold_into(folded, self._decoded(event_from_row, row))
+                    if advance is not None:
+                        advance(len(rows))
             conn.execute(b"DELETE FROM calls")
             with conn.cursor() as cur:
                 cur.executemany(_UPSERT_CALL, [call_row(r) for r in folded.values()])
@@ -1289,6 +1364,88 @@ class PostgresJournal(LogReads):
         # Not retried: the events are consumed as they are copied.
         return self._write("copy events", work, pipeline=False, retry=False)
 
+    # -- leases (see guard.leases); the store's clock is the server's ---------------------------
+
+    def take_lease(self, call_id: str, holder: str, seconds: float) -> None:
+        """Record ``holder``'s lease on ``call_id``, running out ``seconds`` from the server's now."""
+        self._taken += 1
+        self._single_statement("take a lease", _TAKE_LEASE, (call_id, holder, seconds))
+        if self._taken % SWEEP_EVERY == 0:
+            self._single_statement("sweep the leases", _SWEEP_LEASES, ())
+
+    def renew_lease(self, call_id: str, holder: str, seconds: float) -> bool:
+        """Extend ``holder``'s lease; False when it has none on the call any more."""
+        return self._single_statement("renew a lease", _RENEW_LEASE, (seconds, call_id, holder)) is not None
+
+    def drop_lease(self, call_id: str, holder: str) -> None:
+        """Forget ``holder``'s lease on ``call_id``."""
+        self._single_statement("drop a lease", _DROP_LEASE, (call_id, holder))
+
+    def claim_lease(self, call_id: str, holder: str, seconds: float) -> bool:
+        """Take a lease on ``call_id`` only if no other holder has a live one and the call is not
+        pending with an owner alive by the host-and-pid test (one that never had a lease)."""
+
+        def work(conn: Conn) -> bool:
+            conn.execute(_LOCK_LEASES, (call_id,))  # one claim of the call at a time, on any replica
+            rows = conn.execute(_LEASES_OF, (call_id,)).fetchall()
+            others = [r for r in rows if r[0] != holder]
+            if others:
+                if any(alive for _, alive in others):
+                    return False
+            else:
+                row = conn.execute(f"{_CALL_SELECT} WHERE call_id = %s", (call_id,)).fetchone()
+                record = None if row is None else self._decoded(record_from_row, row)
+                if unclaimable(record):
+                    return False
+            conn.execute(_TAKE_LEASE, (call_id, holder, seconds))
+            return True
+
+        return self._write("claim a call", work, pipeline=False)
+
+    def settle(self, call_id: str, choose: Settle) -> int | None:
+        """Read the call's record and its owner's state, let ``choose`` make the event, append it;
+        in one transaction that holds the head. Returns the ``seq`` appended (None: none chosen)."""
+        if not holds(call_id, nul=False):  # no call has it
+            choose(None, None)
+            return None
+
+        def work(conn: Conn) -> int | None:
+            head, record = self._lock_and_read(conn, call_id)
+            event = choose(record, self._alive(conn, record))
+            if event is None:
+                return None
+            return self._append_locked(conn, head, record, event)[0].seq
+
+        self._recent = None
+        try:
+            return self._write("settle the call", work, pipeline=False)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(self.name, e) from e
+
+    def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]:
+        """Whether each pending record's owner is alive, and when its lease runs out."""
+        pending = [r.call_id for r in records if r.status == "pending"]
+        latest: dict[str, datetime] = {}
+        now = None
+        if pending:
+            for call_id, until, at in self._read("read the leases", _LATEST_LEASES, (pending,)):
+                latest[call_id], now = until, at
+        return {r.call_id: owner_state(r, latest.get(r.call_id), now if now is not None else utc_now())
+                for r in records}
+
+    def _lease_alive(self, conn: Conn, record: CallRecord | None) -> bool | None:
+        """Whether a lease on the pending call has not run out; None when it has none."""
+        if record is None or record.status != "pending":
+            return None
+        until, now = conn.execute(_LATEST_LEASE, (record.call_id,)).fetchone() or (None, None)
+        return None if until is None else bool(until > now)
+
+    def _alive(self, conn: Conn, record: CallRecord | None) -> bool | None:
+        if record is None or record.status != "pending":
+            return None
+        until, now = conn.execute(_LATEST_LEASE, (record.call_id,)).fetchone() or (None, None)
+        return pending_alive(record, until, now)
+
     # -- operators ----------------------------------------------------------------------------
 
     def _label(self) -> str:
@@ -1315,7 +1472,8 @@ class PostgresJournal(LogReads):
         def work(conn: Conn) -> JournalEvent:
             head, record = self._lock_and_read(conn, call_id)
             event = operator_event(call_id, record, applied=applied, reason=reason, operator=operator,
-                                   value=value, force=force, journal=self.name)
+                                   value=value, force=force, journal=self.name,
+                                   lease_alive=self._lease_alive(conn, record))
             return self._append_locked(conn, head, record, event)[0]
 
         self._recent = None

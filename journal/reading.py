@@ -12,7 +12,7 @@ from .events import JournalEvent
 from .export import csv_header, csv_lines, jsonl_lines, one_line_each
 from .rows import event_from_row, holds, operator_event
 
-__all__ = ["LogReads", "call_filter", "event_filter"]
+__all__ = ["LogReads", "call_filter", "event_filter", "page"]
 
 T = TypeVar("T")
 _LINES_A_BATCH = 1000
@@ -54,6 +54,18 @@ def call_filter(
     statuses = [s for s in status if holds(s, nul=nul)]
     any_of = f"status IN ({', '.join([mark] * len(statuses))})" if statuses else "1 = 0"
     return [any_of, *clauses], [*statuses, *params]
+
+
+def page(limit: int | None, offset: int, unlimited: str) -> str:
+    """The ``LIMIT``/``OFFSET`` clause of a page of ``calls()``: at most ``limit`` calls (None: all)
+    after the first ``offset``; ``unlimited`` is the driver's limit for all (``-1``, ``ALL``).
+    Raises ``ValueError`` for a negative number."""
+    for name, number in (("limit", limit), ("offset", offset)):
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 0):
+            raise ValueError(f"{name} is a number of calls, 0 or more, not {number!r}")
+    if limit is None and not offset:
+        return ""
+    return f" LIMIT {unlimited if limit is None else int(limit)}" + (f" OFFSET {int(offset)}" if offset else "")
 
 
 def event_filter(
@@ -99,8 +111,14 @@ class LogReads:
         """Raise what ``resolve`` would raise for these arguments, on the call's current record,
         and write nothing: a check that also works on a journal opened ``readonly``, so a resolve
         that is refused changes nothing at all (not even an older journal's schema version)."""
-        operator_event(call_id, self.get(call_id), applied=applied, reason=reason, operator=operator,
-                       value=value, force=force, journal=self._label())
+        record = self.get(call_id)
+        lease_alive: bool | None = None
+        if record is not None and record.status == "pending":
+            state = self.owner_states([record])[record.call_id]  # type: ignore[attr-defined]
+            if state.lease_expires_at is not None:  # it has a lease: that decides, not its pid
+                lease_alive = bool(state.alive)
+        operator_event(call_id, record, applied=applied, reason=reason, operator=operator,
+                       value=value, force=force, journal=self._label(), lease_alive=lease_alive)
 
     def events(
         self,

@@ -17,7 +17,7 @@ import orjson
 from guard.canonical import canonical_bytes
 from guard.store import CallRecord, EffectEvent, current_owner, format_at, parse_at
 
-from .chain import body_bytes, compute_hash, event_body
+from .chain import ahead_of_log, body_bytes, compute_hash, event_body
 from .errors import CallNotFound, NotResolvable
 from .events import JournalEvent, text_sha256
 from .owner import owner_alive
@@ -237,8 +237,11 @@ def operator_event(
     value: str | None,
     force: bool,
     journal: str,
+    lease_alive: bool | None = None,
 ) -> EffectEvent:
-    """The event an operator's resolve of ``call_id`` appends, checked against its ``record``.
+    """The event an operator's resolve of ``call_id`` appends, checked against its ``record``
+    (``lease_alive``: whether a lease on the pending call has not run out; None when it has none,
+    and then the host-and-pid test decides).
 
     Raises ``ValueError`` (a value without ``applied``, one that is not JSON, no operator),
     :class:`CallNotFound`, or :class:`NotResolvable` (another status than pending or unknown, or a
@@ -255,7 +258,13 @@ def operator_event(
         raise NotResolvable(
             f"The call {call_id!r} in {journal} is {record.status}; only a pending or unknown call can be resolved."
         )
-    if record.status == "pending" and not force and owner_alive(record.owner):
+    if record.status == "pending" and not force and lease_alive:
+        owner = record.owner or {}
+        raise NotResolvable(
+            f"The call {call_id!r} in {journal} is pending and its lease has not run out: its owner (pid "
+            f"{owner.get('pid')} on {owner.get('host')}) may still be running the tool; --force overrides."
+        )
+    if record.status == "pending" and not force and lease_alive is None and owner_alive(record.owner):
         pid = record.owner.get("pid") if record.owner else None
         raise NotResolvable(
             f"The call {call_id!r} in {journal} is pending and its owner process (pid {pid}) is alive on "
@@ -270,11 +279,20 @@ def operator_event(
 
 
 def projection_problem(
-    folded: Mapping[str, CallRecord], stored: Mapping[str, CallRecord | None]
+    folded: Mapping[str, CallRecord], stored: Mapping[str, CallRecord | None], log_end: int | None = None
 ) -> tuple[int, str] | None:
     """The first difference between the fold of the log and the stored projection, as
     ``(seq, sentence)``, or None when they are equal. ``stored`` maps a call id to its decoded
-    row (None for a row that cannot be read); it is checked in call id order."""
+    row (None for a row that cannot be read); it is checked in call id order. Given the log's last
+    seq ``log_end``, a row the log cannot have produced is named first, without advising a rebuild
+    (:func:`journal.chain.ahead_of_log`)."""
+    if log_end is not None:
+        for call_id in sorted(stored):
+            record = stored[call_id]
+            if record is not None and record != folded.get(call_id):
+                ahead = ahead_of_log(call_id, record.last_seq, record.attempt, folded.get(call_id), log_end)
+                if ahead is not None:
+                    return record.last_seq, ahead
     remaining = dict(folded)
     for call_id in sorted(stored):
         record = stored[call_id]

@@ -23,11 +23,15 @@ __all__ = [
     "APPLICATION_ID",
     "LATEST",
     "MIGRATIONS",
+    "NO_DELETE_TRIGGER",
     "OPENING",
     "READABLE_FROM",
+    "SIDE_ROOM",
     "FileKind",
+    "full_disk_error",
     "inspect",
     "migrate",
+    "no_room",
     "read_kind",
     "reader_uri",
     "readonly_uri",
@@ -135,11 +139,48 @@ def _v3_updated_at_ascending(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX calls_updated_at ON calls (updated_at, call_id)")
 
 
+def _v4_leases(conn: sqlite3.Connection) -> None:
+    # Operational state beside the log, never events: a running call's lease, renewed while its tool
+    # runs, tells a live owner from a gone one on any host or in any PID namespace. A call may have
+    # several (a retry takes its own while it decides); the call's owner is alive while any is.
+    conn.execute(
+        "CREATE TABLE leases (call_id TEXT NOT NULL, holder TEXT NOT NULL, expires_at REAL NOT NULL, "
+        "PRIMARY KEY (call_id, holder)) WITHOUT ROWID"
+    )
+
+
+def _v5_calls_by_key(conn: sqlite3.Connection) -> None:
+    # The lookup of a duplicate window: an agent's recent calls with one idempotency key.
+    conn.execute("CREATE INDEX calls_idempotency_key ON calls (idempotency_key, created_at)")
+
+
+# The delete trigger of version 1, which an archive drops and makes again in its own transaction.
+NO_DELETE_TRIGGER = (
+    "CREATE TRIGGER events_no_delete BEFORE DELETE ON events "
+    "BEGIN SELECT RAISE(ABORT, 'the event log is append-only: an event cannot be deleted'); END"
+)
+
+
+def _v6_archives(conn: sqlite3.Connection) -> None:
+    # Archiving moves the oldest events out of the log: each archive's head (its last seq and hash,
+    # where the log now starts) is kept, and the projection as of that head, which the rest of the
+    # log is folded onto by rebuild and verify.
+    conn.execute(
+        "CREATE TABLE archives (last_seq INTEGER PRIMARY KEY, last_hash TEXT NOT NULL, events INTEGER NOT NULL, "
+        "archived_at TEXT NOT NULL, file TEXT NOT NULL)"
+    )
+    # A call's row as of the head: its id, and the other columns of calls as one JSON array.
+    conn.execute("CREATE TABLE calls_archived (call_id TEXT PRIMARY KEY, record TEXT NOT NULL) WITHOUT ROWID")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
-    1: _create_v1, 2: _v2_no_replace, 3: _v3_updated_at_ascending,
+    1: _create_v1, 2: _v2_no_replace, 3: _v3_updated_at_ascending, 4: _v4_leases, 5: _v5_calls_by_key,
+    6: _v6_archives,
 }
 LATEST = max(MIGRATIONS)
-# The oldest version a read-only open can read as it is (versions 2 and 3 changed no table).
+# The oldest version a read-only open can read as it is (versions 2 and 3 changed no table; a
+# journal without the leases of version 4 is read with the host-and-pid test of a call's owner;
+# version 5 added an index only; a journal without the archives of version 6 has none).
 READABLE_FROM = 1
 
 
@@ -171,12 +212,37 @@ def read_kind(conn: sqlite3.Connection) -> FileKind:
     return FileKind("journal", version)
 
 
+# SQLite maps a WAL journal's -shm file in pieces of 32 KiB, and makes it (with an empty -wal) beside
+# a journal that has none as soon as the journal is read the ordinary way.
+SIDE_ROOM = 32 * 1024
+_NO_ROOM = (sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL, sqlite3.SQLITE_CANTOPEN)
+
+
+def no_room(path: Path) -> bool:
+    """Whether the file system holding ``path`` has too little room left (or no inode) for the
+    files SQLite makes beside a journal; False where that cannot be told."""
+    try:
+        st = os.statvfs(path.parent)
+    except (OSError, AttributeError):  # no statvfs on this platform
+        return False
+    root = getattr(os, "geteuid", lambda: -1)() == 0
+    free = (st.f_bfree if root else st.f_bavail) * st.f_frsize  # root may use the blocks kept for it
+    return free < SIDE_ROOM or (st.f_files > 0 and st.f_favail == 0)
+
+
+def full_disk_error(path: Path, e: sqlite3.Error) -> bool:
+    """Whether SQLite's ``e`` on the journal at ``path`` is its file system being full (an I/O
+    error making the -shm file, say), not something wrong with the file itself."""
+    return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in _NO_ROOM and no_room(path)
+
+
 def inspect(path: Path, timeout: float = 5.0) -> FileKind:
     """Classify the file at ``path`` (which exists) through a read-only connection; changes nothing
     in it. A file of zero bytes is blank.
 
-    Raises ``OSError`` when the file cannot be read, and ``sqlite3.OperationalError`` when it stays
-    locked by another process for ``timeout`` seconds (a busy file is not a foreign one).
+    Raises ``OSError`` when the file cannot be read (``ENOSPC`` when its file system is too full to
+    open it), and ``sqlite3.OperationalError`` when it stays locked by another process for
+    ``timeout`` seconds (a busy file is not a foreign one).
     """
     mode = os.stat(path).st_mode
     if stat.S_ISDIR(mode):
@@ -196,12 +262,12 @@ def inspect(path: Path, timeout: float = 5.0) -> FileKind:
         # again the ordinary way if it may have been written meanwhile (a -wal has come, or the file
         # changed); a damaged file left as it was is refused as it is, with nothing made beside it.
         before = signature(path)
-        kind = _read(readonly_uri(path) + "&immutable=1", timeout)
+        kind = _read(path, readonly_uri(path) + "&immutable=1", timeout)
         if kind.kind != "foreign" or not kind.why.startswith("cannot be"):
             return kind
         if kind.damaged and signature(path) == before:
             return kind
-    return _read(readonly_uri(path), timeout)
+    return _read(path, readonly_uri(path), timeout)
 
 
 def _header(path: Path) -> bytes:
@@ -241,11 +307,12 @@ def signature(path: Path) -> tuple[int, int, int, bool]:
     return (st.st_ino, st.st_size, st.st_mtime_ns, os.path.exists(f"{path}-wal"))
 
 
-def _read(uri: str, timeout: float) -> FileKind:
+def _read(path: Path, uri: str, timeout: float) -> FileKind:
     try:
         with OPENING:
             conn = sqlite3.connect(uri, uri=True, timeout=timeout)
     except sqlite3.Error as e:
+        _raise_if_full(path, e)
         return FileKind("foreign", why=f"cannot be opened as a SQLite database ({e})")
     try:
         return read_kind(conn)
@@ -253,6 +320,7 @@ def _read(uri: str, timeout: float) -> FileKind:
         code = getattr(e, "sqlite_errorcode", 0) & 0xFF
         if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
             raise
+        _raise_if_full(path, e)
         return FileKind("foreign", why=f"cannot be read as a SQLite database ({e})",
                         damaged=code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB))
     except UnicodeDecodeError:  # the names in its schema are not text: its first pages are damaged
@@ -260,6 +328,12 @@ def _read(uri: str, timeout: float) -> FileKind:
                         damaged=True)
     finally:
         conn.close()
+
+
+def _raise_if_full(path: Path, e: sqlite3.Error) -> None:
+    # A full disk is not a foreign file: the journal may be whole, and is read once there is room.
+    if full_disk_error(path, e):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
 
 
 def readonly_uri(path: Path) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import functools
 import hashlib
 import os
@@ -28,11 +29,14 @@ from typing import Any, Literal, TypeVar, cast
 import orjson
 
 from guard.canonical import NotCanonical
+from guard.leases import OwnerState, Settle
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, parse_at
 
-from . import schema, sqlite_verify
+from . import archive, damage, schema, sqlite_verify
 from .chain import GENESIS, ChainCheck, compute_hash
 from .errors import (
+    DiskFull,
+    JournalDamaged,
     JournalError,
     JournalNotFound,
     NewerSchema,
@@ -42,8 +46,10 @@ from .errors import (
 )
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
 from .export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each, row_hash
-from .projection import fold_into, fold_row, record_row
-from .reading import LogReads, call_filter, event_filter
+from .leasing import SWEEP_EVERY, owner_state, pending_alive, unclaimable
+from .projection import fold_into, fold_row
+from .reading import LogReads, call_filter, event_filter, page
+from .reconcile import Reconciling
 from .rows import event_from_row, holds, json_text, operator_event, record_from_row
 
 __all__ = ["SQLiteJournal"]
@@ -56,6 +62,7 @@ _FULL, _NORMAL = "FULL", "NORMAL"
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 _BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 _BATCH = 1000
+_ADVANCE_EVERY = 10_000  # events between two calls of a progress callback
 _EXPORT_BYTES = 1 << 20  # about a megabyte of lines a batch
 _CHECKPOINT_PAGES = 4000
 # A group commit's fsync still under way after this many seconds is made again by a thread waiting
@@ -104,6 +111,14 @@ def _after_fork_in_parent() -> None:
         _HELD_FOR_FORK.pop().release()
 
 
+def _inode(path: str) -> int | None:
+    """The inode of the file at ``path``, or None when there is none."""
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
 def _sync_directory(path: str) -> None:
     """fsync a directory, so the names made in it survive a power loss (where the OS allows it)."""
     try:
@@ -147,7 +162,19 @@ _UPSERT_CALL = (
     + ", ".join(f"{c} = excluded.{c}" for c in _CALL_COLUMNS.split(", ")[1:])
 )
 _SELECT_CALL = f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?"
+_TAKE_LEASE = ("INSERT INTO leases (call_id, holder, expires_at) VALUES (?, ?, ?) "
+               "ON CONFLICT (call_id, holder) DO UPDATE SET expires_at = excluded.expires_at")
+_RENEW_LEASE = "UPDATE leases SET expires_at = ? WHERE call_id = ? AND holder = ?"
+_DROP_LEASE = "DELETE FROM leases WHERE call_id = ? AND holder = ?"
+_LEASES_OF = "SELECT holder, expires_at FROM leases WHERE call_id = ?"
+_LATEST_LEASE = "SELECT max(expires_at) FROM leases WHERE call_id = ?"
+_SWEEP_LEASES = ("DELETE FROM leases WHERE expires_at < ? AND call_id NOT IN "
+                 "(SELECT call_id FROM calls WHERE status = 'pending')")
 _SELECT_HEAD = "SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1"
+_SELECT_RECENT = (
+    f"SELECT {_CALL_COLUMNS} FROM calls WHERE idempotency_key = ? AND created_at >= ? AND agent_id IS ? "
+    "AND status != 'released' ORDER BY created_at DESC, call_id DESC LIMIT 1"
+)
 # The head of the log and the call's row in one round trip: the read of every write transaction.
 _SELECT_HEAD_AND_CALL = (
     "SELECT (SELECT seq FROM events ORDER BY seq DESC LIMIT 1), (SELECT hash FROM events ORDER BY seq DESC LIMIT 1), "
@@ -260,7 +287,7 @@ def _event_filter(
     return " AND ".join(["seq > ?", *clauses]), [after_seq, *params]  # params[0]: the keyset cursor of events()
 
 
-class SQLiteJournal(LogReads):
+class SQLiteJournal(LogReads, Reconciling):
     """An :class:`~guard.store.EffectStore` on a SQLite file, with the operator's reads and repairs.
 
     Args:
@@ -301,6 +328,7 @@ class SQLiteJournal(LogReads):
         # symbolic link (SQLite keeps the WAL beside the file the link points to).
         self._file = Path(os.path.realpath(path))
         self._wal_path = f"{self._file}-wal"
+        self._mark = str(damage.mark_path(self._file))  # where a damage found is marked
         self.durability: Durability = durability
         self.busy_timeout = float(busy_timeout)
         self.readonly = readonly
@@ -312,6 +340,8 @@ class SQLiteJournal(LogReads):
         self._arguments: tuple[str | None, str | None] = (None, None)
         self._reset_group()
         self._closed = False
+        self._taken = 0  # leases taken by this object, for the sweep of those run out
+        self._damaged: str | None = None  # what SQLite said when this object found the file damaged
         self._archive: tuple[int, int, int, bool] | None = None  # the file as a read-only open found it
         self._tidy: int | None = None  # the inode of a file whose side files a read-only open made
         self._first_open = True
@@ -343,6 +373,8 @@ class SQLiteJournal(LogReads):
             uri = schema.reader_uri(file)
             # Read as an archive (immutable): the file as it is now, which a writer must not change.
             self._archive = schema.signature(file) if uri.endswith("immutable=1") else None
+            if self._archive is None:
+                self._check_room()
             if self._first_open:  # whether reading makes the side files (see close)
                 sides = any(os.path.lexists(f"{file}{side}") for side in ("-wal", "-shm"))
                 self._tidy = None if sides or self._archive is not None else os.stat(file).st_ino
@@ -352,6 +384,7 @@ class SQLiteJournal(LogReads):
         if not file.exists():
             if not self._create:
                 raise self._not_found()
+            self._check_room()
             try:
                 os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             except FileExistsError:
@@ -366,8 +399,13 @@ class SQLiteJournal(LogReads):
                                "to read it.")
         # Inspect through a read-only connection first, so a foreign file is never written to.
         kind = self._check(self._inspect(), blank_ok=self._create)
+        self._check_room()
         conn = self._connect(str(file))
         try:
+            if kind.kind == "blank":
+                # Before the WAL makes the file's header: the pages an archive frees can then be given
+                # back in small steps (PRAGMA incremental_vacuum); an older file needs a VACUUM for it.
+                self._retry(conn, lambda: conn.execute("PRAGMA auto_vacuum = INCREMENTAL"))
             self._retry(conn, lambda: conn.execute("PRAGMA journal_mode = WAL"))
             # A guarded call dirties about ten pages; checkpointing (two fsyncs) every 1000 pages, as
             # SQLite does by default, would cost more than the call's own fsync. The WAL is cut back
@@ -390,10 +428,22 @@ class SQLiteJournal(LogReads):
                                 "(its target is gone, or the links go round in a loop).")
         return JournalNotFound(f"There is no journal at {self.path}.")
 
+    def _check_room(self) -> None:
+        """Refuse to open on a full disk before SQLite makes its -wal and -shm files beside the
+        journal: made on a disk without room, they are left there, empty and cut short."""
+        if not os.path.exists(f"{self._file}-shm") and schema.no_room(self._file):
+            raise self._disk_full()
+
+    def _disk_full(self) -> DiskFull:
+        return DiskFull(f"The disk holding the journal {self.path} is full: free some space and try again "
+                        "(nothing was changed).")
+
     def _inspect(self) -> schema.FileKind:
         try:
             return schema.inspect(self._file, self.busy_timeout)
         except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise self._disk_full() from e
             raise JournalError(f"Cannot read the journal {self.path}: {e.strerror}.") from e
         except sqlite3.Error as e:
             raise StoreBusy(
@@ -492,6 +542,10 @@ class SQLiteJournal(LogReads):
                     f"The journal {self.path} changed while it was read as a read-only archive (nothing can "
                     f"be locked in its directory, so a writer is not seen): read it again ({e})."
                 ) from e
+            if schema.full_disk_error(self._file, e):
+                raise self._disk_full() from e
+            if damage.damaged(e):
+                raise self._found_damaged(e) from e
             raise JournalError(_failure(self.path, e)) from e
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -506,6 +560,23 @@ class SQLiteJournal(LogReads):
         time.sleep(min(0.001, remaining))
         return True
 
+    def _found_damaged(self, e: sqlite3.Error) -> JournalDamaged:
+        """Mark the file damaged, for this object and (with the mark beside it) every process."""
+        self._damaged = str(e)
+        damage.mark(self._file, str(e))
+        return self._damaged_error(str(e))
+
+    def _damaged_error(self, problem: str) -> JournalDamaged:
+        if _UNDECODABLE in problem:  # that message says the file is damaged, and what to do
+            return JournalDamaged(_failure(self.path, sqlite3.DatabaseError(problem)))
+        return JournalDamaged(f"The journal {self.path} is damaged ({problem}). It refuses writes until it is "
+                              "restored (see the runbook).")
+
+    def _refuse_if_damaged(self) -> None:
+        problem = self._damaged or damage.marked(self._mark)
+        if problem is not None:
+            raise self._damaged_error(problem)
+
     def _transaction(
         self, conn: sqlite3.Connection, sync: str, body: Callable[[sqlite3.Connection], T],
         deadline: float | None = None,
@@ -513,10 +584,12 @@ class SQLiteJournal(LogReads):
         """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction committed at ``sync``, retrying on locks
         until ``deadline`` (default: the busy timeout from now).
 
-        Every sqlite3 error leaves as a :class:`JournalError`.
+        Every sqlite3 error leaves as a :class:`JournalError`; a journal known to be damaged raises
+        :class:`JournalDamaged` and writes nothing.
         """
         if self.readonly:
             raise JournalError(f"The journal {self.path} is open read-only.")
+        self._refuse_if_damaged()
         now = time.monotonic()
         waited = False
         if deadline is None:
@@ -702,7 +775,7 @@ class SQLiteJournal(LogReads):
 
     # -- the EffectStore protocol --------------------------------------------------------------
 
-    def begin(self, call_id: str, decide: Decide) -> Decision:
+    def begin(self, call_id: str, decide: Decide, lease: tuple[str, float] | None = None) -> Decision:
         """Decide and record one attempt of ``call_id`` atomically (see :class:`~guard.store.EffectStore`).
 
         At ``durability="full"``, when the decision records ``pending`` this returns only once an
@@ -716,6 +789,8 @@ class SQLiteJournal(LogReads):
         def step(conn: sqlite3.Connection) -> Decision:
             head, record = _head_and_record(conn, call_id)
             decision = decide(record)
+            if lease is not None and decision.event.kind == "pending":  # in the transaction of its pending
+                conn.execute(_TAKE_LEASE, (call_id, lease[0], time.time() + lease[1]))
             self._append(conn, decision.event, record, head)
             return decision
 
@@ -787,13 +862,18 @@ class SQLiteJournal(LogReads):
                 fd = None
             if fd is None:
                 conns = self._conns
-                self._wal_fd = fd = os.open(wal, os.O_RDWR)
-                self._wal_of = conns
+                try:
+                    fd = os.open(wal, os.O_RDWR)
+                except FileNotFoundError:
+                    if self._checkpointed_since(conns):
+                        return
+                    raise
+                self._wal_fd, self._wal_of = fd, conns
                 _sync_directory(os.path.dirname(wal))  # a WAL new since the last fsync: its name too
-            elif os.fstat(fd).st_ino != os.stat(wal).st_ino:
-                if self._closed:  # closed meanwhile, as the last connection: it checkpointed the WAL
-                    self._wal_fd = None
-                    os.close(fd)
+            elif os.fstat(fd).st_ino != _inode(wal):
+                self._wal_fd = None
+                os.close(fd)
+                if self._checkpointed_since(self._wal_of):
                     return
                 # Another process took the WAL away while this connection had it open, believing
                 # itself the file's last user: the commits made since may be lost. Said, never
@@ -805,20 +885,31 @@ class SQLiteJournal(LogReads):
             if self._closed:  # closed meanwhile: close() has already let go of the descriptor it saw
                 self._wal_fd = None
                 os.close(fd)
-        except FileNotFoundError as e:
-            if not self._closed:
-                raise JournalError(f"The journal {self.path} could not be synced to disk: {e.strerror}.") from e
-            # Closed meanwhile, and the WAL removed: closing the last connection checkpointed it,
-            # which fsyncs what it held into the journal file first.
         except OSError as e:
             raise JournalError(f"The journal {self.path} could not be synced to disk: {e.strerror or e}.") from e
 
-    def append(self, event: EffectEvent) -> None:
-        """Record an outcome or a refusal outside ``begin``; it becomes durable with the next fsync."""
+    def _checkpointed_since(self, conns: int) -> bool:
+        """Whether a WAL found gone or replaced was checkpointed, its commits (the ones to sync) in
+        the journal file: true once the connection that made them (numbered ``conns``) is closed (by
+        close(), or let go of for a fork; another process may then have been the file's last user).
+
+        SQLite removes or restarts a WAL only after copying every commit in it into the journal
+        file and syncing that file (under synchronous NORMAL or FULL, as every connection of a
+        journal has); while the connection is open, only a process that took its locks away can.
+        The file is never fsynced here by a descriptor of this module's own: closing one would take
+        away the locks SQLite holds on the file for this process's connections.
+        """
+        return self._closed or self._conn is None or conns != self._conns
+
+    def append(self, event: EffectEvent, drop_lease: str | None = None) -> None:
+        """Record an outcome or a refusal outside ``begin``; it becomes durable with the next fsync.
+        ``drop_lease``: the holder whose lease on the call ends with this outcome."""
 
         def step(conn: sqlite3.Connection) -> None:
             head, record = _head_and_record(conn, event.call_id)
             self._append(conn, event, record, head)
+            if drop_lease is not None:
+                conn.execute(_DROP_LEASE, (event.call_id, drop_lease))
 
         try:
             if event.kind == "pending" and self.durability == "full":
@@ -834,6 +925,106 @@ class SQLiteJournal(LogReads):
             return None  # an id with no UTF-8 form (a lone surrogate) is never stored
         row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
         return None if row is None else self._decoded(record_from_row, row)
+
+    def recent_call(self, agent_id: str | None, idempotency_key: str, since: datetime) -> CallRecord | None:
+        """The most recent call of ``agent_id`` with ``idempotency_key`` begun at or after ``since`` and
+        not released, or None (the lookup of ``EffectGuard(duplicate_window=...)``)."""
+        if not holds(idempotency_key) or (agent_id is not None and not holds(agent_id)):
+            return None
+        row = self._read(lambda c: c.execute(_SELECT_RECENT, (idempotency_key, at_text(since), agent_id)).fetchone())
+        return None if row is None else self._decoded(record_from_row, row)
+
+    # -- leases (see guard.leases); the store's clock is this host's, which its processes share -----
+
+    leases_in_begin = True  # begin takes a call's lease and append drops it, in their transactions
+
+    def take_lease(self, call_id: str, holder: str, seconds: float) -> None:
+        """Record ``holder``'s lease on ``call_id``, running out ``seconds`` from now."""
+        self._taken += 1
+        sweep = self._taken % SWEEP_EVERY == 0
+
+        def step(conn: sqlite3.Connection) -> None:
+            now = time.time()
+            conn.execute(_TAKE_LEASE, (call_id, holder, now + seconds))
+            if sweep:
+                conn.execute(_SWEEP_LEASES, (now,))
+
+        self._combined(step)
+
+    def renew_lease(self, call_id: str, holder: str, seconds: float) -> bool:
+        """Extend ``holder``'s lease; False when it has none on the call any more."""
+        return self._combined(
+            lambda conn: conn.execute(_RENEW_LEASE, (time.time() + seconds, call_id, holder)).rowcount > 0
+        )[0]
+
+    def drop_lease(self, call_id: str, holder: str) -> None:
+        """Forget ``holder``'s lease on ``call_id``."""
+        self._combined(lambda conn: conn.execute(_DROP_LEASE, (call_id, holder)))
+
+    def claim_lease(self, call_id: str, holder: str, seconds: float) -> bool:
+        """Take a lease on ``call_id`` only if no other holder has a live one and the call is not
+        pending with an owner alive by the host-and-pid test (one that never had a lease)."""
+
+        def step(conn: sqlite3.Connection) -> bool:
+            now = time.time()
+            others = [until for other, until in conn.execute(_LEASES_OF, (call_id,)) if other != holder]
+            if others and max(others) > now:
+                return False
+            if not others:
+                row = conn.execute(_SELECT_CALL, (call_id,)).fetchone()
+                record = None if row is None else record_from_row(row)
+                if unclaimable(record):
+                    return False
+            conn.execute(_TAKE_LEASE, (call_id, holder, now + seconds))
+            return True
+
+        return self._write(_NORMAL, step)
+
+    def settle(self, call_id: str, choose: Settle) -> int | None:
+        """Read the call's record and its owner's state, let ``choose`` make the event, append it;
+        in one write transaction. Returns the ``seq`` appended (None when ``choose`` chose none)."""
+
+        def step(conn: sqlite3.Connection) -> int | None:
+            head, record = _head_and_record(conn, call_id)
+            event = choose(record, self._alive(conn, record))
+            if event is None:
+                return None
+            return self._append(conn, event, record, head)[0]
+
+        try:
+            return self._write(_FULL if self.durability == "full" else _NORMAL, step)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(str(self.path), e) from e
+
+    def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]:
+        """Whether each pending record's owner is alive, and when its lease runs out."""
+
+        def read(conn: sqlite3.Connection) -> dict[str, OwnerState]:
+            now = time.time()
+            return {r.call_id: owner_state(r, self._latest_lease(conn, r.call_id), now) for r in records}
+
+        return self._read(read)
+
+    def _latest_lease(self, conn: sqlite3.Connection, call_id: str) -> float | None:
+        try:
+            row = conn.execute(_LATEST_LEASE, (call_id,)).fetchone()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):
+                return None  # a journal from before leases, read as it is
+            raise
+        return None if row is None or row[0] is None else float(row[0])
+
+    def _lease_alive(self, conn: sqlite3.Connection, record: CallRecord | None) -> bool | None:
+        """Whether a lease on the pending call has not run out; None when it has none."""
+        if record is None or record.status != "pending":
+            return None
+        latest = self._latest_lease(conn, record.call_id)
+        return None if latest is None else latest > time.time()
+
+    def _alive(self, conn: sqlite3.Connection, record: CallRecord | None) -> bool | None:
+        if record is None or record.status != "pending":
+            return None
+        return pending_alive(record, self._latest_lease(conn, record.call_id), time.time())
 
     def _append(
         self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None, head: tuple[int, str]
@@ -881,16 +1072,14 @@ class SQLiteJournal(LogReads):
         agent_id: str | None = None,
         since: datetime | None = None,
         limit: int | None = 50,
+        offset: int = 0,
     ) -> list[CallRecord]:
         """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status
-        (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all)."""
+        (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all),
+        after skipping the first ``offset`` (the pages of a long list)."""
         clauses, params = call_filter("?", True, status, tool, agent_id, since)
         sql = (f"SELECT {_CALL_COLUMNS} FROM calls WHERE {' AND '.join(['1', *clauses])} "
-               "ORDER BY updated_at DESC, call_id DESC")
-        if limit is not None:
-            if limit < 0:
-                raise ValueError(f"limit is a number of calls, 0 or more, not {limit}")
-            sql += f" LIMIT {int(limit)}"
+               "ORDER BY updated_at DESC, call_id DESC") + page(limit, offset, "-1")
         rows = self._read(lambda c: c.execute(sql, params).fetchall())
         return [self._decoded(record_from_row, row) for row in rows]
 
@@ -1062,6 +1251,36 @@ class SQLiteJournal(LogReads):
         row = self._read(lambda c: c.execute(_SELECT_HEAD).fetchone())
         return (0, GENESIS) if row is None else (int(row[0]), str(row[1]))
 
+    # -- archiving (journal.archive) -----------------------------------------------------------
+
+    def archived_head(self) -> tuple[int, str]:
+        """The seq and hash of the last archived event, where the log now starts; ``(0, GENESIS)``
+        when nothing was archived."""
+        return self._read(archive.sqlite_archived_head)
+
+    def commit_archive(self, plan: archive.ArchivePlan, file: str, archived_at: str) -> int:
+        """Remove the events ``plan`` moves, once they are in the archive ``file``, in one write
+        transaction that also records the archive's head; returns how many were removed."""
+        return self._write(_FULL if self.durability == "full" else _NORMAL,
+                           lambda conn: archive.sqlite_commit(conn, plan, file, archived_at))
+
+    def reclaim_space(self, pages: int = 256) -> int:
+        """Give the file's free pages back to the file system, ``pages`` at a time, each step a
+        short write transaction of its own (guarded calls wait at most one step); returns the pages
+        given back. Only a journal made with ``auto_vacuum`` incremental can (every new one is); an
+        older file gives nothing back here, and needs a ``VACUUM`` (see docs/journal.md)."""
+        mode, free = self._read(lambda c: (c.execute("PRAGMA auto_vacuum").fetchone()[0],
+                                           c.execute("PRAGMA freelist_count").fetchone()[0]))
+        if mode != 2:
+            return 0
+        step = f"PRAGMA incremental_vacuum({max(1, int(pages))})"
+        left = free
+        while left:
+            left = self._write(_NORMAL, lambda c: (c.execute(step).fetchall(),
+                                                   c.execute("PRAGMA freelist_count").fetchone()[0])[1])
+        self._read(lambda c: c.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall())  # the file shrinks here
+        return int(free)
+
     def stats(self) -> JournalStats:
         """Counts of calls by status and by tool, the number of events, and when the oldest pending
         and unknown calls entered that status."""
@@ -1095,14 +1314,15 @@ class SQLiteJournal(LogReads):
 
     # -- verification and repair ---------------------------------------------------------------
 
-    def verify(self, *, parts: int | None = None) -> VerifyReport:
+    def verify(self, *, parts: int | None = None, advance: Callable[[int], None] | None = None) -> VerifyReport:
         """Recompute the hash chain from the stored fields, check that ``seq`` is gapless from 1, and
         compare the projection with the fold of the log, on one consistent snapshot.
 
         A journal of :data:`~journal.sqlite_verify.PARALLEL_FROM` events or more is checked in
         ``parts`` (default: one a core, at most 4) by child processes at once; when a part finds a
         problem, or a child cannot run, it is checked again in one pass, which names the first bad
-        event. ``parts=1`` always checks in one pass.
+        event. ``parts=1`` always checks in one pass. ``advance`` is told of each stretch of events
+        checked (a progress bar's update).
         """
         if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or parts < 1):
             raise ValueError(f"parts is a number, 1 or more, not {parts!r}")
@@ -1115,44 +1335,71 @@ class SQLiteJournal(LogReads):
                 n = parts if parts is not None else (
                     min(os.cpu_count() or 1, 4) if head[0] >= sqlite_verify.PARALLEL_FROM else 1
                 )
-                if n > 1 and self._verified_in_parts(int(head[0]), n):
-                    return VerifyReport(ok=True, events=int(head[0]), head=str(head[1]), first_bad_seq=None,
-                                        problem=None)
-            return self._retry(snapshot, lambda: self._verify(snapshot))
+                if n > 1 and self._retry(snapshot, lambda: archive.sqlite_archived_head(snapshot))[0]:
+                    n = 1  # the parts check a log that starts at seq 1; an archived one is checked in one pass
+                if n > 1 and self._verified_in_parts(int(head[0]), n, advance):
+                    return self._undamaged(snapshot, VerifyReport(
+                        ok=True, events=int(head[0]), head=str(head[1]), first_bad_seq=None, problem=None))
+            return self._undamaged(snapshot, self._retry(snapshot, lambda: self._verify(snapshot, advance)))
         finally:
             with contextlib.suppress(sqlite3.Error):
                 snapshot.close()
 
-    def _verified_in_parts(self, head: int, parts: int) -> bool:
+    def _undamaged(self, snapshot: sqlite3.Connection, report: VerifyReport) -> VerifyReport:
+        """``report``, for a journal marked damaged checked whole by SQLite too: the mark is taken
+        away (writes are taken again) only when its pages, indexes included, are sound."""
+        if not report.ok or (self._damaged is None and damage.marked(self._mark) is None):
+            return report
+        found = self._retry(snapshot, lambda: snapshot.execute("PRAGMA quick_check").fetchall())
+        if found != [("ok",)]:
+            return VerifyReport(ok=False, events=report.events, head=report.head, first_bad_seq=None,
+                                problem=f"SQLite finds the file damaged: {found[0][0]}")
+        damage.clear(self._file)
+        self._damaged = None
+        return report
+
+    def _verified_in_parts(self, head: int, parts: int, advance: Callable[[int], None] | None = None) -> bool:
         """True when every part of the events up to ``head`` checks out (part 0 in this process)."""
         children = [sqlite_verify.start_part(self._file, part, parts, head) for part in range(1, parts)]
         try:
             started = time.monotonic()
             if None in children or not sqlite_verify.check_part(self._file, 0, parts, head):
                 return False
+            if advance is not None:
+                advance(head // parts)
             # The parts are of one size: a child far slower than this process's part is stuck.
             patience = sqlite_verify.PATIENCE + 3 * (time.monotonic() - started)
-            return all(sqlite_verify.child_said_ok(child, patience) is True for child in children if child is not None)
+            for child in children:
+                if child is None or sqlite_verify.child_said_ok(child, patience) is not True:
+                    return False
+                if advance is not None:
+                    advance(head // parts)
+            return True
         finally:
             for child in children:
                 if child is not None and child.poll() is None:
                     child.kill()
                     child.wait()
 
-    def _verify(self, conn: sqlite3.Connection) -> VerifyReport:
+    def _verify(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
         conn.execute("BEGIN")  # one read transaction: a snapshot that concurrent writers do not move
         try:
-            return self._verified_log(conn)
+            return self._verified_log(conn, advance)
         finally:
             if conn.in_transaction:
                 conn.execute("COMMIT")
 
-    def _verified_log(self, conn: sqlite3.Connection) -> VerifyReport:
+    def _verified_log(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
         """The report of :meth:`verify`, in one pass over what ``conn`` sees (in a transaction of
         the caller's: a read snapshot, or a write not yet committed)."""
-        check = ChainCheck()
+        # The log goes on from the last archive's head, folded onto the projection as of that head.
+        base = archive.sqlite_archived_head(conn)
+        check = ChainCheck(start=base)
         folded: dict[str, CallRecord] = {}
+        archived = archive.SQLiteSnapshot(conn) if base[0] else None
         for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
+            if advance is not None and row[0] % _ADVANCE_EVERY == 0:
+                advance(_ADVANCE_EVERY)
             try:
                 expected = row_hash(row)
             except (ValueError, TypeError, AttributeError) as e:
@@ -1160,27 +1407,26 @@ class SQLiteJournal(LogReads):
                 break
             if not check.feed(row[0], row[14], row[15], expected):
                 break
+            if archived is not None:
+                archived.seed(folded, row[2])
             fold_row(folded, row)
         if not check.ok:
             return check.report()
-        for row in conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"):
-            expected_record = folded.pop(row[0], None)
-            if expected_record is None or record_row(expected_record) != row:
-                seq = expected_record.last_seq if expected_record is not None else row[15]
-                check.fail(seq, f"the projection of call {row[0]!r} differs from the log; run rebuild")
-                return check.report()
-        if folded:
-            call_id, record = min(folded.items(), key=lambda item: item[1].last_seq)
-            check.fail(record.last_seq, f"the projection lacks call {call_id!r}; run rebuild")
-        return check.report()
+        if archived is not None:
+            return sqlite_verify.compare_projection(check, folded, archived.rows(folded))
+        rows = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id")
+        return sqlite_verify.compare_projection(check, folded, rows)
 
-    def rebuild(self) -> int:
+    def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
         """Rebuild the projection from the log through the fold, in one transaction; returns the
-        number of calls."""
+        number of calls. ``advance`` is told of each stretch of events folded."""
 
         def step(conn: sqlite3.Connection) -> int:
-            folded: dict[str, CallRecord] = {}
+            # From the projection as of the last archive's head (none: from an empty one).
+            folded = {row[0]: self._decoded(record_from_row, row) for row in archive.sqlite_snapshot(conn)}
             for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
+                if advance is not None and row[0] % _ADVANCE_EVERY == 0:
+                    advance(_ADVANCE_EVERY)
                 fold_into(folded, self._decoded(event_from_row, row))
             conn.execute("DELETE FROM calls")
             conn.executemany(_UPSERT_CALL, (_call_row(r) for r in folded.values()))
@@ -1216,7 +1462,8 @@ class SQLiteJournal(LogReads):
         def step(conn: sqlite3.Connection) -> JournalEvent:
             head, record = _head_and_record(conn, call_id)
             event = operator_event(call_id, record, applied=applied, reason=reason, operator=operator,
-                                   value=value, force=force, journal=str(self.path))
+                                   value=value, force=force, journal=str(self.path),
+                                   lease_alive=self._lease_alive(conn, record))
             seq, prev, digest = self._append(conn, event, record, head)
             return JournalEvent(
                 seq=seq, at=event.at, call_id=call_id, kind=event.kind, tool=event.tool,

@@ -3,7 +3,9 @@
 ``make_state_machine(factory)`` builds a ``RuleBasedStateMachine`` for one store: each run gets a
 fresh store from ``factory(path)``; after every step it checks that the call's result is what the
 model says, that no non-reversible call took effect twice, and that the store's projection equals
-the fold of its log.
+the fold of its log. The non-reversible tools carry a check (``@reconciled_by``) that answers as
+the backend would (applied with a value, or not applied), cannot tell, or raises; a retry of a call
+in doubt asks it, and a bulk ``reconcile`` settles the journals' calls in doubt.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard, reversibility
+from guard.reconcile import Applied, InDoubtCall, NotApplied, reconciled_by
 from guard.store import CallRecord, apply
 
-OUTCOMES = ("value", "ambiguous", "other_error", "generator", "interrupt", "unstorable")
+# "lost_before": a timeout before the backend was reached (no effect, recorded unknown).
+OUTCOMES = ("value", "ambiguous", "other_error", "generator", "interrupt", "unstorable", "lost_before")
+CHECK_MODES = ("truth", "cannot_tell", "raises")
 TOOLS = {"pay": "irreversible", "ship": "costly", "lookup": "reversible"}
 
 
@@ -50,7 +55,7 @@ class Effects:
 
 def _effective(outcome: str) -> bool:
     # A tool that raised an ordinary error is taken to have had no effect (that is what `released` says).
-    return outcome != "other_error"
+    return outcome not in ("other_error", "lost_before")
 
 
 def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMachine]:
@@ -67,10 +72,34 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
             self.effects = Effects()
             self.next_outcome = "value"
             self.counter = 0
+            self.check_mode = "truth"
+            self.settles = callable(getattr(self.store, "settle", None))
             policy = SecurityPolicy(effect_guard=EffectGuard(store=self.store))
             self.tools: dict[str, Callable[..., Any]] = {}
             for name, tag in TOOLS.items():
-                self.tools[name] = reversibility(tag)(Airlock(policy=policy)(self._make_tool(name)))
+                tool = reversibility(tag)(Airlock(policy=policy)(self._make_tool(name)))
+                self.tools[name] = tool if tag == "reversible" else reconciled_by(self.check)(tool)
+
+        def check(self, call: InDoubtCall) -> Any:
+            """The backend's answer about ``call``: the truth, nothing yet, or an error."""
+            if self.check_mode == "raises":
+                raise ConnectionError("the backend is down")
+            if self.check_mode == "cannot_tell":
+                return None
+            if self.effects.took_effect.get(call.call_id, 0):
+                return Applied(value={"found": call.call_id}, evidence="the backend has it")
+            return NotApplied(evidence="the backend has no such operation")
+
+        def settled(self, entry: ModelCall) -> bool:
+            """Settle a model call in doubt as the check would; False when the check does not say."""
+            if self.check_mode != "truth" or not self.settles:
+                return False
+            call_id = next(k for k, v in self.model.items() if v is entry)
+            if self.effects.took_effect.get(call_id, 0):
+                entry.status, entry.value, entry.has_value = "committed", {"found": call_id}, True
+            else:
+                entry.status = "released"
+            return True
 
         def teardown(self) -> None:
             close = getattr(self.store, "close", None)
@@ -89,7 +118,7 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
                 machine.counter += 1
                 if outcome == "value":
                     return {"n": machine.counter, "pair": (account, cents)}
-                if outcome == "ambiguous":
+                if outcome in ("ambiguous", "lost_before"):
                     raise TimeoutError("response lost")
                 if outcome == "other_error":
                     raise ValueError("declined")
@@ -114,6 +143,8 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
                 return ("replay", prior.value) if prior.has_value else ("refuse", "replay_value_unavailable")
             if prior.status == "released" or TOOLS[tool] == "reversible":
                 return ("run", None)
+            if self.settled(prior):  # the retry asked the tool's check first
+                return self.expected(call_id, tool, args)
             return ("refuse", "effect_status_unknown")
 
         def call(self, call_id: str, tool: str, args: dict[str, Any], outcome: str) -> None:
@@ -149,7 +180,7 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
             elif outcome == "generator":
                 assert raised is None and list(result) == [1, 2]
                 entry.status = "unknown"
-            elif outcome == "ambiguous":
+            elif outcome in ("ambiguous", "lost_before"):
                 assert isinstance(raised, TimeoutError)
                 entry.status = "unknown"
             elif outcome == "interrupt":
@@ -193,7 +224,37 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
             if prior is not None:
                 self.call(call_id, prior.tool, dict(prior.args), outcome)
 
+        @rule(mode=st.sampled_from(CHECK_MODES))
+        def backend_answers(self, mode: str) -> None:
+            self.check_mode = mode
+
+        @rule()
+        def reconcile_in_bulk(self) -> None:
+            reconcile = getattr(self.store, "reconcile", None)
+            if reconcile is None:
+                return
+            checks = {name: self.check for name, tag in TOOLS.items() if tag != "reversible"}
+            results = {r.call_id: r for r in reconcile(checks)}
+            for call_id, entry in self.model.items():
+                if entry.status not in ("pending", "unknown"):
+                    assert call_id not in results
+                    continue
+                result = results[call_id]
+                if TOOLS[entry.tool] == "reversible":
+                    assert result.outcome == "skipped"
+                elif self.settled(entry):
+                    assert result.outcome == ("applied" if entry.status == "committed" else "not_applied")
+                    assert result.seq is not None
+                else:
+                    assert result.outcome == ("still_unknown" if self.check_mode == "cannot_tell" else "error")
+
         # -- invariants ------------------------------------------------------------------------
+
+        @invariant()
+        def chain_verifies(self) -> None:
+            verify = getattr(self.store, "verify", None)
+            if verify is not None:
+                assert verify().ok
 
         @invariant()
         def no_double_effect(self) -> None:

@@ -27,19 +27,22 @@ def test_demo_charges_once_per_payment_and_ends_with_what_the_operator_sees(tmp_
     result = invoke("demo", "--db", str(db))
     assert result.exit_code == 0, result.output
     out = result.stdout
-    assert "The backend's ledger: 2 charges for 2 intended payments" in out
+    assert "The backend's ledger: 3 charges for 3 intended payments" in out
     assert "replayed the stored receipt" in out
     assert "refused effect_status_unknown" in out
-    assert f"airlock journal show --db {db} --limit 3" in out
+    assert "asked the backend first: the backend has ch_3 for this key" in out
+    assert f"airlock journal show --db {db} --limit 4" in out
     table = out.split("shows the operator:", 1)[1].splitlines()
     assert table[1].split()[:3] == ["CALL", "ID", "TOOL"]
-    assert table[3].split()[:3] == ["call_r1_2", "charge", "unknown"]
-    assert rows(db, "SELECT call_id, status FROM calls ORDER BY call_id") == [
-        ("call_r1_1", "committed"), ("call_r1_2", "unknown"), ("call_r1_3", "committed"),
+    assert table[2].split()[:4] == ["call_r1_4", "charge", "committed", "(by"]
+    assert table[4].split()[:3] == ["call_r1_2", "charge", "unknown"]
+    assert rows(db, "SELECT call_id, status, actor FROM calls ORDER BY call_id") == [
+        ("call_r1_1", "committed", "guard"), ("call_r1_2", "unknown", "guard"),
+        ("call_r1_3", "committed", "guard"), ("call_r1_4", "committed", "reconciler:PaymentBackend.charge_made"),
     ]
     kinds = [k for (k,) in rows(db, "SELECT kind FROM events ORDER BY seq")]
-    assert kinds.count("replayed") == 1 and kinds.count("refused") == 1
-    assert len(out.splitlines()) < 45
+    assert kinds.count("replayed") == 2 and kinds.count("refused") == 1
+    assert len(out.splitlines()) < 60
 
 
 def test_the_printed_resolve_command_settles_the_unknown_call(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from guard.store import Decision, EffectEvent, Verdict
-from journal import CallNotFound, JournalError, JournalNotFound, NewerSchema, NotAJournal, NotResolvable
+from journal import CallNotFound, JournalError, JournalNotFound, NewerSchema, NotAJournal, NotResolvable, pg_schema
 from journal.chain import GENESIS
 from journal.postgres import PostgresJournal
 from tests.pgserver import PgServer
@@ -65,7 +65,7 @@ def test_tables_columns_and_version(journal: PostgresJournal, pg_dsn: str) -> No
         event_columns = [r[0] for r in conn.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_name = 'events' ORDER BY ordinal_position")]
         stored = conn.execute("SELECT at, arguments, owner FROM events WHERE seq = 1").fetchone()
-    assert meta == [("airlock-journal", 1)]
+    assert meta == [("airlock-journal", pg_schema.SCHEMA_VERSION)]
     assert event_columns == ["seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments",
                              "value", "error", "reason", "actor", "attempt", "owner", "prev_hash", "hash"]
     assert stored is not None
