@@ -15,16 +15,19 @@ from typing import Any
 import orjson
 
 from guard.canonical import canonical_bytes
+from guard.store import CallRecord
 
 from .events import REDACTABLE, JournalEvent, VerifyReport, at_text, text_sha256
 
-__all__ = ["GAP", "GENESIS", "ChainCheck", "body_bytes", "compute_hash", "event_body", "hash_of", "verify_lines"]
+__all__ = ["AHEAD", "GAP", "GENESIS", "ChainCheck", "ahead_of_log", "body_bytes", "compute_hash", "event_body",
+           "feed_line", "hash_of", "verify_lines"]
 
 GENESIS = "0" * 64
 
 _SORTED = orjson.OPT_SORT_KEYS
-_LINE_FIELDS = ("seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments_sha256",
-                "value_sha256", "error", "reason", "actor", "attempt", "owner", "prev_hash", "hash")
+_LINE_FIELDS = ("seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments",
+                "arguments_sha256", "value", "value_sha256", "error", "reason", "actor", "attempt", "owner",
+                "prev_hash", "hash")
 
 
 def event_body(
@@ -83,6 +86,33 @@ def hash_of(event: JournalEvent) -> str:
 
 GAP = "events are missing"  # how a problem of a gap in seq ends
 
+# How a problem of a projection ahead of its log ends: a rebuild would fold the shorter log and
+# erase what the projection still remembers, so such a problem never advises one.
+AHEAD = ("events may have been removed from the end; keep the journal as it is (the projection is the "
+         "evidence) and compare it with an earlier export or checkpoint")
+
+
+def ahead_of_log(call_id: str, last_seq: Any, attempt: Any, folded: CallRecord | None, log_end: int) -> str | None:
+    """The problem of a projection row (its ``last_seq`` and ``attempt``) that the log, whose last
+    event is ``log_end``, cannot have produced, or None when the row is merely stale or edited.
+
+    ``folded`` is the call folded from the log (None when the log has no event of it). A row that
+    names a later event than the log's last, than the call's own last, or a later attempt, was
+    written by events that are no longer in the log.
+    """
+    if isinstance(last_seq, bool) or not isinstance(last_seq, int):
+        return None
+    if last_seq > log_end:
+        return (f"the projection of call {call_id!r} records seq {last_seq}, beyond the last event of the log "
+                f"(seq {log_end}): {AHEAD}")
+    if folded is None:
+        return f"the projection has call {call_id!r}, of which the log has no event: {AHEAD}"
+    later_attempt = isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > folded.attempt
+    if last_seq > folded.last_seq or later_attempt:
+        return (f"the projection of call {call_id!r} is ahead of its events in the log (seq {last_seq}, attempt "
+                f"{attempt}; the log ends the call at seq {folded.last_seq}, attempt {folded.attempt}): {AHEAD}")
+    return None
+
 
 class ChainCheck:
     """Checks events one at a time, in ``seq`` order: each hash, each link, no gaps.
@@ -92,17 +122,27 @@ class ChainCheck:
 
     __slots__ = ("_allow_gaps", "_bad_seq", "_count", "_head", "_last_seq", "_problem")
 
-    def __init__(self, allow_gaps: bool = False) -> None:
+    def __init__(self, allow_gaps: bool = False, start: tuple[int, str] = (0, GENESIS)) -> None:
+        # start: the seq and hash the first event follows (a journal whose older events are archived).
         self._allow_gaps = allow_gaps
         self._count = 0
-        self._last_seq = 0
-        self._head = GENESIS
+        self._last_seq, self._head = start
         self._bad_seq: int | None = None
         self._problem: str | None = None
 
     @property
     def ok(self) -> bool:
         return self._problem is None
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the last event that checked out (0 before the first)."""
+        return self._last_seq
+
+    @property
+    def head(self) -> str:
+        """The hash of the last event that checked out (:data:`GENESIS` before the first)."""
+        return self._head
 
     def fail(self, seq: int | None, problem: str) -> bool:
         """Record the first problem (later ones are ignored) and return False."""
@@ -176,29 +216,33 @@ def verify_lines(lines: Iterable[Mapping[str, Any]], allow_gaps: bool = False) -
     """
     check = ChainCheck(allow_gaps)
     for n, line in enumerate(lines, 1):
-        seq = line.get("seq") if isinstance(line, Mapping) else None
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            check.fail(None, f"line {n} has no integer seq")
-            break
-        missing = [f for f in _LINE_FIELDS if f not in line]
-        if missing:
-            check.fail(seq, f"seq {seq} lacks the fields {', '.join(missing)}")
-            break
-        try:
-            redacted = _redacted(line)
-            body = event_body(
-                seq=seq, at=line["at"], call_id=line["call_id"], kind=line["kind"], tool=line["tool"],
-                agent_id=line["agent_id"], idempotency_key=line["idempotency_key"],
-                arguments_sha256=_line_digest(line, "arguments", redacted),
-                value_sha256=_line_digest(line, "value", redacted),
-                error=line["error"], reason=line["reason"], actor=line["actor"], attempt=line["attempt"],
-                owner=line["owner"],
-            )
-            prev_hash, stored_hash = str(line["prev_hash"]), str(line["hash"])
-            expected = compute_hash(prev_hash, body)
-        except (ValueError, TypeError, UnicodeError) as e:
-            check.fail(seq, f"seq {seq} has been altered: {e}")
-            break
-        if not check.feed(seq, prev_hash, stored_hash, expected):
+        if not feed_line(check, n, line):
             break
     return check.report()
+
+
+def feed_line(check: ChainCheck, n: int, line: Mapping[str, Any]) -> bool:
+    """Check the exported line numbered ``n`` (decoded to a dict) as the next event of ``check``;
+    False at a bad line, which ``check`` then names. Lines of several files that continue one
+    another go through one :class:`ChainCheck`, so the links between the files are checked too."""
+    seq = line.get("seq") if isinstance(line, Mapping) else None
+    if not isinstance(seq, int) or isinstance(seq, bool):
+        return check.fail(None, f"line {n} has no integer seq")
+    missing = [f for f in _LINE_FIELDS if f not in line]
+    if missing:
+        return check.fail(seq, f"seq {seq} lacks the fields {', '.join(missing)}")
+    try:
+        redacted = _redacted(line)
+        body = event_body(
+            seq=seq, at=line["at"], call_id=line["call_id"], kind=line["kind"], tool=line["tool"],
+            agent_id=line["agent_id"], idempotency_key=line["idempotency_key"],
+            arguments_sha256=_line_digest(line, "arguments", redacted),
+            value_sha256=_line_digest(line, "value", redacted),
+            error=line["error"], reason=line["reason"], actor=line["actor"], attempt=line["attempt"],
+            owner=line["owner"],
+        )
+        prev_hash, stored_hash = str(line["prev_hash"]), str(line["hash"])
+        expected = compute_hash(prev_hash, body)
+    except (ValueError, TypeError, UnicodeError) as e:
+        return check.fail(seq, f"seq {seq} has been altered: {e}")
+    return check.feed(seq, prev_hash, stored_hash, expected)

@@ -1,0 +1,358 @@
+"""The audit trail handed over: ``airlock journal keygen`` and ``checkpoint``, what ``export --sign``
+writes beside an export, and what ``verify`` checks of signed exports, of several exports and a
+journal as one chain, and of a checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import click
+
+from journal import Journal, VerifyReport, open_journal
+from journal.chain import GAP, GENESIS, ChainCheck, feed_line
+from journal.checkpoint import checkpoint_problem, make_checkpoint, malformed
+from journal.manifest import (
+    ExportTally,
+    digest_problem,
+    events_problem,
+    manifest_path,
+    manifest_problem,
+    new_manifest,
+)
+from journal.signing import (
+    SigningKey,
+    document_bytes,
+    load_public_key,
+    new_private_key,
+    read_document,
+    signature_problem,
+)
+
+from .export import NotJsonLines, Tallied, read_export, write_all, write_file
+from .options import db_option, describe, echo, echo_bytes
+
+__all__ = ["checkpoint", "export_signed", "keygen", "load_key", "verify_audit", "verify_audit_wanted"]
+
+
+# -- keygen --------------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the private key to this file (PEM, mode 0600).")
+@click.option("--force", is_flag=True, help="Replace the file if it exists (the old key is then lost).")
+def keygen(output: Path, force: bool) -> None:
+    """Make an Ed25519 key pair to sign exports and checkpoints with.
+
+    The private key goes to --output (PEM, mode 0600: keep it secret, and give it to
+    export --sign and checkpoint --sign). The public key is printed on stdout as 64 hex
+    digits: give it to whoever checks your exports (verify --public-key). Needs the extra
+    'sign': pip install 'airlock-journal[sign]'.
+
+    Example:
+
+    \b
+        airlock journal keygen --output audit-key.pem > audit-key.pub
+    """
+    pem, public = new_private_key()
+    if force:
+        try:
+            write_file(output, lambda out: write_all(out, pem))
+        except OSError as e:
+            raise click.ClickException(f"cannot write the key to {output}: {e.strerror or e}") from e
+    else:
+        try:
+            fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError as e:
+            raise click.ClickException(f"{output} exists: keep that key, or replace it with --force") from e
+        except OSError as e:
+            raise click.ClickException(f"cannot write the key to {output}: {e.strerror or e}") from e
+        try:
+            with os.fdopen(fd, "wb") as out:
+                write_all(out, pem)
+        except OSError as e:
+            output.unlink(missing_ok=True)
+            raise click.ClickException(f"cannot write the key to {output}: {e.strerror or e}") from e
+    echo(public)
+    click.echo(
+        f"Wrote the private key to {output} (mode 0600): keep it secret.\n"
+        f"The line above is the public key, which verifiers need: save it, e.g. echo {public} > {output}.pub",
+        err=True,
+    )
+
+
+def load_key(path: Path | None) -> SigningKey | None:
+    """The signing key at ``path`` (None for none), read before anything is written."""
+    return None if path is None else SigningKey.load(path)
+
+
+# -- checkpoint ----------------------------------------------------------------------------------
+
+
+@click.command()
+@click.option("--sign", "key_file", type=click.Path(dir_okay=False, path_type=Path), metavar="KEY",
+              help="Sign the checkpoint with this private key (from keygen).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+              help="Write the checkpoint to this file instead of stdout ('-': stdout).")
+@db_option
+def checkpoint(key_file: Path | None, output: Path | None, db: str) -> None:
+    """Write down the journal's head (seq, hash, at), to keep or publish elsewhere.
+
+    Kept where the journal's writers cannot reach it, a checkpoint later shows whether the
+    journal still holds that seq with that hash: verify --checkpoint FILE fails for a log cut
+    short or rewritten before that point. With --sign the checkpoint is signed (the extra
+    'sign').
+
+    Example:
+
+    \b
+        airlock journal checkpoint --sign audit-key.pem -o checkpoint-2026-12-06.json
+    """
+    signer = load_key(key_file)
+    with open_journal(db, readonly=True, create=False) as j:
+        made = make_checkpoint(j)
+    if signer is not None:
+        made = signer.sign(made)
+    content = document_bytes(made)
+    if output is None or output == Path("-"):
+        echo_bytes(content)
+        return
+    try:
+        write_file(output, lambda out: write_all(out, content))
+    except OSError as e:
+        raise click.ClickException(f"cannot write the checkpoint to {output}: {e.strerror or e}") from e
+    click.echo(f"Wrote the checkpoint of seq {made['seq']} to {output}", err=True)
+
+
+# -- export --sign ---------------------------------------------------------------------------------
+
+
+def export_signed(
+    output: Path, filters: dict[str, Any], redact: frozenset[str], key: SigningKey,
+    write_export: Callable[[BinaryIO], int],
+) -> int:
+    """Write the export to ``output`` through ``write_export(out)``, then its signed manifest
+    beside it (:func:`journal.manifest.manifest_path`); returns the number of events.
+
+    The export is put in place first, then the manifest: a run killed between the two leaves the
+    export beside an older manifest (or none), which verify reports as not matching.
+    """
+    tally = ExportTally()
+    target = Path(os.path.realpath(output))
+    written = write_file(target, lambda out: write_export(Tallied(out, tally.add)))  # type: ignore[arg-type]
+    manifest = key.sign(new_manifest(target, tally, filters, redact))
+    content = document_bytes(manifest)
+    where = manifest_path(output)
+    try:
+        write_file(Path(os.path.realpath(where)), lambda out: write_all(out, content))
+    except OSError as e:
+        raise click.ClickException(f"the manifest could not be written to {where}: {e.strerror or e}") from e
+    click.echo(f"Wrote its signed manifest to {where}", err=True)
+    return written
+
+
+# -- verify: signed exports, exports joined to a journal, checkpoints ------------------------------
+
+
+def verify_audit_wanted(exports: tuple[Path, ...], public_key: str | None, checkpoint_file: Path | None,
+                        db_given: bool) -> bool:
+    """Whether verify goes beyond one unsigned export or the journal alone; raises a usage error
+    for options that do not go together."""
+    if public_key is not None and not exports and checkpoint_file is None:
+        raise click.UsageError("--public-key goes with --export FILE or --checkpoint FILE")
+    if checkpoint_file is not None and exports:
+        raise click.UsageError("--checkpoint checks the journal (--db), not an export: give it without --export")
+    joined = len(exports) > 1 or (bool(exports) and db_given)
+    if (joined or public_key is not None) and any(str(f) == "-" for f in exports):
+        raise click.UsageError("'-' (stdin) is for one unsigned --export alone: name the files")
+    return joined or public_key is not None or checkpoint_file is not None
+
+
+class _Failed(Exception):
+    """One part of a verify failed: ``source`` (a file, the journal) and its report."""
+
+    def __init__(self, source: str, report: VerifyReport) -> None:
+        super().__init__(report.problem)
+        self.source = source
+        self.report = report
+
+
+def _failed(source: str, check: ChainCheck | None, problem: str, seq: int | None = None) -> _Failed:
+    events, head = (0, GENESIS) if check is None else (check.report().events, check.head)
+    return _Failed(source, VerifyReport(ok=False, events=events, head=head, first_bad_seq=seq, problem=problem))
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as e:
+        raise click.ClickException(f"no {what} {path}") from e
+    except OSError as e:
+        raise click.ClickException(f"cannot read {what} {path}: {e.strerror or e}") from e
+
+
+def _signed_manifest(export: Path, public_key: str) -> dict[str, Any]:
+    """The manifest beside ``export``, once it is byte for byte as written and signed by
+    ``public_key``; raises :class:`_Failed` naming the manifest otherwise."""
+    where = manifest_path(export)
+    try:
+        raw = where.read_bytes()
+    except FileNotFoundError as e:
+        raise click.ClickException(f"{export} has no manifest {where}: export it with --sign to check its "
+                                   "signature") from e
+    except OSError as e:
+        raise click.ClickException(f"cannot read {where}: {e.strerror or e}") from e
+    manifest, problem = read_document(raw, exact=True)
+    if manifest is not None:
+        problem = manifest_problem(manifest) or signature_problem(manifest, public_key)
+    if problem is not None or manifest is None:
+        raise _failed(str(where), None, problem or "it cannot be read")
+    return manifest
+
+
+def _file_digest(export: Path) -> tuple[str, int]:
+    """The sha256 (hex) and the size of the file ``export``, read in large blocks."""
+    digest, size = hashlib.sha256(), 0
+    with export.open("rb") as stream:
+        while block := stream.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    return digest.hexdigest(), size
+
+
+def _check_export(export: Path, check: ChainCheck, manifest: dict[str, Any] | None, empty_ok: bool) -> int:
+    """Feed the events of ``export`` to ``check`` after the files before it; with its signed
+    ``manifest``, check its digest first. An export without events is an error unless its signed
+    manifest says so or ``empty_ok``. Returns its event count; raises :class:`_Failed`."""
+    before = check.report().events
+    first: dict[str, Any] | None = None
+    last: dict[str, Any] = {}
+    problem: str | None = None
+    try:
+        if manifest is not None:
+            changed = digest_problem(manifest, *_file_digest(export))
+            if changed is not None:  # told before anything the changed file shows
+                raise _failed(str(export), check, changed)
+        with export.open("rb") as stream:
+            try:
+                for n, line in enumerate(read_export(stream), 1):
+                    if first is None:
+                        first = line
+                    if not feed_line(check, n, line):
+                        break
+                    last = line
+            except NotJsonLines as e:
+                problem = f"it is not a JSON Lines export: {e}"
+    except FileNotFoundError as e:
+        raise click.ClickException(f"no export {export}") from e
+    except OSError as e:
+        raise click.ClickException(f"cannot read {export}: {e.strerror or e}") from e
+    events = check.report().events - before
+    if problem is not None:
+        raise _failed(str(export), check, problem)
+    if not check.ok:
+        raise _Failed(str(export), check.report())
+    if manifest is not None:
+        seen = {"events": events, "first_seq": (first or {}).get("seq"),
+                "first_prev_hash": (first or {}).get("prev_hash"), "last_seq": last.get("seq"),
+                "head_hash": last.get("hash")}
+        mismatch = events_problem(manifest, seen)
+        if mismatch is not None:
+            raise _failed(str(export), check, mismatch)
+    if not events and manifest is None and not empty_ok:
+        raise _failed(str(export), check, "it holds no events, and an empty export is evidence of nothing (an "
+                      "export whose filters matched no event verifies with --allow-gaps)")
+    return events
+
+
+def _join_journal(j: Journal, check: ChainCheck, exports: tuple[Path, ...], source: str) -> tuple[int, str]:
+    """Check that the journal continues the chain the exports end (at ``check``'s last seq and
+    hash), on a journal that verified alone; returns its events beyond the exports and the head."""
+    last_seq, last_hash = check.last_seq, check.head
+    named = exports[-1]
+    if last_seq:
+        at_last = next(iter(j.events(after_seq=last_seq - 1)), None)
+        if at_last is not None and at_last.seq == last_seq and at_last.hash != last_hash:
+            raise _failed(source, check, f"its seq {last_seq} has the hash {at_last.hash}, not the one "
+                          f"{named} ends with ({last_hash}): they are not one chain", last_seq)
+    following = next(iter(j.events(after_seq=last_seq)), None)
+    end_seq, end_hash = j.head()
+    if following is None:
+        if end_seq < last_seq:
+            raise _failed(source, check, f"its log ends at seq {end_seq}, before seq {last_seq} where "
+                          f"{named} ends: events have been removed from its end", end_seq + 1)
+        return 0, last_hash
+    if following.seq != last_seq + 1:
+        raise _failed(source, check, f"it goes on at seq {following.seq} after seq {last_seq} where "
+                      f"{named} ends: {GAP}", following.seq)
+    if following.prev_hash != last_hash:
+        raise _failed(source, check, f"its seq {following.seq} does not link to the hash {named} "
+                      "ends with: they are not one chain", following.seq)
+    return j.count_events(after_seq=last_seq), end_hash
+
+
+def verify_audit(
+    exports: tuple[Path, ...], public_key: str | None, checkpoint_file: Path | None, allow_gaps: bool,
+    db: str | None,
+) -> tuple[VerifyReport, str]:
+    """Verify ``exports`` in order as one chain (each against its signed manifest when
+    ``public_key`` is given), then the journal ``db`` (when given) as their continuation, or the
+    journal against the checkpoint ``checkpoint_file``. Returns the report and what it is of."""
+    key = None if public_key is None else load_public_key(public_key)
+    counted = 0
+    try:
+        manifests = [None if key is None else _signed_manifest(export, key) for export in exports]
+        # A signed export made with filters says so: its gaps in seq are expected.
+        filtered = len(manifests) == 1 and manifests[0] is not None and any(manifests[0]["filters"].values())
+        check = ChainCheck(allow_gaps or filtered)
+        for export, manifest in zip(exports, manifests, strict=True):
+            counted += _check_export(export, check, manifest, allow_gaps)
+        if db is None:
+            return check.report(), ", ".join(str(f) for f in exports)
+        if checkpoint_file is not None:
+            return _verify_checkpoint(checkpoint_file, key, db)
+        with open_journal(db, readonly=True, create=False) as j:
+            alone = j.verify()
+            if not alone.ok:
+                raise _Failed(describe(db), alone)
+            more, head = _join_journal(j, check, exports, describe(db))
+    except _Failed as failed:
+        return failed.report, failed.source
+    shown = f"{', '.join(str(f) for f in exports)} and {describe(db)}"
+    return VerifyReport(ok=True, events=counted + more, head=head), shown
+
+
+def _verify_checkpoint(checkpoint_file: Path, key: str | None, db: str) -> tuple[VerifyReport, str]:
+    raw = _read(checkpoint_file, "checkpoint")
+    made, problem = read_document(raw, exact=False)
+    if made is not None:
+        problem = malformed(made)
+    if problem is None and made is not None and key is not None:
+        problem = signature_problem(made, key)
+    if problem is not None or made is None:
+        raise click.ClickException(f"{checkpoint_file} is not a checkpoint that can be used: {problem}")
+    if key is None and "signature" in made:
+        click.echo(f"The signature of {checkpoint_file} is not checked: give --public-key to check it.", err=True)
+    with open_journal(db, readonly=True, create=False) as j:
+        mismatch = checkpoint_problem(j, made)
+        report = j.verify()
+    if mismatch is not None:
+        problem = f"it no longer matches the checkpoint {checkpoint_file}: {mismatch}"
+        return VerifyReport(ok=False, events=report.events, head=report.head, problem=problem), describe(db)
+    if report.ok:
+        click.echo(f"The journal holds seq {made['seq']} of the checkpoint {checkpoint_file} with its hash.",
+                   err=True)
+    return report, describe(db)
+
+
+def note_unchecked_manifests(exports: tuple[Path, ...]) -> None:
+    """Say on stderr which exports have a manifest that was not checked (no --public-key)."""
+    for export in exports:
+        if str(export) != "-" and manifest_path(export).exists():
+            click.echo(f"{manifest_path(export)} is not checked: give --public-key to check its signature.",
+                       file=sys.stderr)
