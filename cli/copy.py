@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
-from journal import open_journal
+from journal import Journal, open_journal
 from journal.copy import CopyReport, copy_from
 from journal.errors import JournalNotFound
 
 from .options import describe, echo, journal_target, then
+
+if TYPE_CHECKING:
+    from click._termui_impl import ProgressBar
 
 
 def _same(source: str, destination: str) -> bool:
@@ -55,9 +59,27 @@ def copy(source: str, destination: str) -> None:
     )
 
 
-def _run(src: Any, source: str, destination: str) -> CopyReport:
-    def on_total(total: int) -> None:
-        if sys.stderr.isatty():  # a progress note for a person; scripts get only the result or the error
-            click.echo(f"Copying {total} events from {describe(source)} to {describe(destination)} ...", err=True)
+def _run(src: Journal, source: str, destination: str) -> CopyReport:
+    if not sys.stderr.isatty():  # progress is for a person; scripts get only the result or the error
+        return copy_from(src, destination)
+    with contextlib.ExitStack() as stack:
+        bars: list[ProgressBar[int]] = []
+        copied = [0]
 
-    return copy_from(src, destination, on_total=on_total)
+        def on_total(total: int) -> None:
+            click.echo(f"Copying {total} events from {describe(source)} to {describe(destination)}", err=True)
+            bars.append(stack.enter_context(click.progressbar(length=total, label="Copying", file=sys.stderr)))
+
+        def progress(n: int) -> None:
+            copied[0] += n
+            if bars and copied[0] >= _STEP:  # the bar redraws in steps: a call per event would slow the copy
+                bars[0].update(copied[0])
+                copied[0] = 0
+
+        report = copy_from(src, destination, on_total=on_total, progress=progress)
+        if bars:
+            bars[0].update(copied[0])
+        return report
+
+
+_STEP = 1000

@@ -10,10 +10,11 @@ import re
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import click
+from click.core import ParameterSource
 
 from guard.store import parse_at
 from journal.errors import JournalError, JournalNotFound
@@ -23,8 +24,16 @@ from .export import write_all
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+if TYPE_CHECKING:  # generic from click 8.4 on, by the value converted to; older clicks take no argument
+    TextType = click.ParamType[str]
+    MomentType = click.ParamType[datetime]
+    FieldsType = click.ParamType[frozenset[str]]
+else:
+    TextType = MomentType = FieldsType = click.ParamType
+
 DEFAULT_DB = "airlock-journal.db"
 DB_ENVVAR = "AIRLOCK_JOURNAL"
+_DB_SOURCE = "airlock.db_source"  # in the context's meta: where --db came from (the flag, DB_ENVVAR, the default)
 
 
 class UsageFailure(click.ClickException):
@@ -34,8 +43,9 @@ class UsageFailure(click.ClickException):
     exit_code = 2
 
 
-# Click (8.2 on) asks for a group's help by raising this when the group is given no command.
-_HELP_WANTED: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())  # () on click 8.1: nothing matches
+# Click (8.2 on) asks for a group's help by raising this when the group is given no command; on
+# click 8.1 it is (), which nothing matches.
+_HELP_WANTED: type[click.UsageError] | tuple[()] = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
 def _usage_failure(error: click.UsageError) -> click.ClickException:
@@ -78,7 +88,7 @@ class Group(click.Group):
         except click.UsageError as e:
             raise _usage_failure(e) from e
         except JournalNotFound as e:
-            raise click.ClickException(then(e, f"Name the journal with --db or {DB_ENVVAR}.")) from e
+            raise click.ClickException(_not_found(e, ctx.meta.get(_DB_SOURCE))) from e
         except JournalError as e:
             raise click.ClickException(one_line(str(e) or type(e).__name__)) from e
 
@@ -156,6 +166,16 @@ def one_line(message: str) -> str:
 _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+def _not_found(error: JournalNotFound, source: ParameterSource | None) -> str:
+    """The error for a journal that does not exist, saying what named it: ``--db``, the variable
+    ``AIRLOCK_JOURNAL``, or neither (the default)."""
+    if source is ParameterSource.COMMANDLINE:
+        return then(error, "It is named by --db: check the path or URL given.")
+    if source is ParameterSource.ENVIRONMENT:
+        return then(error, f"It is named by {DB_ENVVAR}: set it to the journal's path or URL, or give --db.")
+    return then(error, f"Name the journal with --db or {DB_ENVVAR}.")
+
+
 def then(error: BaseException, advice: str) -> str:
     """The error's message as one sentence, followed by ``advice``."""
     message = one_line(str(error))
@@ -195,23 +215,31 @@ def db_option(fn: F) -> F:
 
 
 def journal_target(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """``--db`` as given, once it can name a journal: UTF-8, not empty, and a URL that parses."""
+    """``--db`` as given, once it can name a journal: UTF-8, not empty, and a URL that parses. An
+    error names the variable ``AIRLOCK_JOURNAL`` when the value came from it, else the flag."""
+    source = ctx.get_parameter_source(param.name) if param.name else None
+    if param.name == "db":
+        ctx.meta[_DB_SOURCE] = source
+    hint = DB_ENVVAR if source is ParameterSource.ENVIRONMENT else " / ".join(f"'{flag}'" for flag in param.opts)
     if not is_utf8(value):
         raise click.BadParameter(f"'{shown_bytes(value)}' is not valid UTF-8: name the journal by a path that is "
-                                 "(rename the file, or link to it under a UTF-8 name)", ctx, param)
+                                 "(rename the file, or link to it under a UTF-8 name)", ctx, param,
+                                 param_hint=hint)
     if not value.strip():
-        raise click.BadParameter("is empty: give the path of a journal file or a postgresql:// URL", ctx, param)
+        raise click.BadParameter("is empty: give the path of a journal file or a postgresql:// URL", ctx, param,
+                                 param_hint=hint)
     if value.startswith(("postgresql://", "postgres://")):
         problem = url_problem(value)
         if problem is not None:
-            raise click.BadParameter(f"{describe(value)} is not a PostgreSQL URL: {problem}", ctx, param)
+            raise click.BadParameter(f"{describe(value)} is not a PostgreSQL URL: {problem}", ctx, param,
+                                     param_hint=hint)
     elif _KEYWORDS.match(value) and not os.path.lexists(value):
         # libpq's other form: taken for a file name it would make a SQLite journal of that name, or
         # say there is none, the password in the message. Named by its keys alone.
         keys = ", ".join(dict.fromkeys(k.lower() for k in re.findall(r"(\w+)\s*=", value)))
         raise click.BadParameter(
             f"is a key=value connection string ({keys}); name a PostgreSQL journal by its URL, "
-            "postgresql://USER@HOST:PORT/DBNAME", ctx, param)
+            "postgresql://USER@HOST:PORT/DBNAME", ctx, param, param_hint=hint)
     return value
 
 
@@ -240,7 +268,7 @@ def shown_bytes(text: str) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
 
-class Text(click.ParamType):
+class Text(TextType):
     """A string of valid UTF-8: a call id, a tool, a reason, an operator."""
 
     name = "text"
@@ -286,7 +314,7 @@ _RELATIVE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$", re.IGNORECASE)
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
-class Moment(click.ParamType):
+class Moment(MomentType):
     """A point in time: ISO-8601 (``2026-12-01T05:00:00Z``, ``2026-12-01``; UTC unless it has an
     offset) or an age before now (``90s``, ``10m``, ``2h``, ``3d``, ``1w``). Converts to a UTC datetime."""
 
@@ -322,7 +350,7 @@ class Moment(click.ParamType):
 MOMENT = Moment()
 
 
-class FieldList(click.ParamType):
+class FieldList(FieldsType):
     """A comma-separated list of names, each one of ``choices``; converts to a frozenset."""
 
     name = "fields"

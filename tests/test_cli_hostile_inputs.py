@@ -121,7 +121,7 @@ def test_a_journal_path_that_is_not_utf8_is_a_usage_error(tmp_path: Path, comman
     result = run_airlock("journal", command, "--db", str(path))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    assert last_line(result.stderr) == (f"Error: Invalid value for '--db' (env var: 'AIRLOCK_JOURNAL'): "
+    assert last_line(result.stderr) == (f"Error: Invalid value for '--db': "
                                         f"'{tmp_path}/bad\\xff.db' {DB_NOT_UTF8}")
     assert digest(path) == before
 
