@@ -12,7 +12,6 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from guard.store import CallRecord
 
@@ -20,6 +19,7 @@ from .errors import JournalError
 from .events import JournalEvent, VerifyReport
 from .open import open_journal
 from .projection import fold_into
+from .protocol import EventImporter, Journal
 from .rows import CALL_COLUMNS, EVENT_COLUMNS, call_row, event_row
 from .sqlite import SQLiteJournal
 
@@ -88,7 +88,7 @@ def _import_sqlite(journal: SQLiteJournal, events: Iterable[JournalEvent],
         raise JournalError(f"cannot copy into the journal {journal.path}: {e}") from e
 
 
-def import_events(destination: Any, events: Iterable[JournalEvent],
+def import_events(destination: Journal, events: Iterable[JournalEvent],
                   check: Callable[[VerifyReport], None] | None = None) -> int:
     """Insert stored ``events`` (in ``seq`` order from 1) into the empty journal ``destination`` as
     they are, and its projection folded from them, in one transaction; returns the number of calls.
@@ -101,10 +101,9 @@ def import_events(destination: Any, events: Iterable[JournalEvent],
     """
     if isinstance(destination, SQLiteJournal):
         return _import_sqlite(destination, _check_chain(events), check)
-    importer = getattr(destination, "import_events", None)
-    if importer is None:
+    if not isinstance(destination, EventImporter):
         raise JournalError(f"cannot copy into {destination!r}: it is not a journal")
-    return int(importer(_check_chain(events), check))
+    return destination.import_events(_check_chain(events), check)
 
 
 def copy_journal(
@@ -127,7 +126,7 @@ def copy_journal(
 
 
 def copy_from(
-    src: Any,
+    src: Journal,
     destination: str,
     *,
     progress: Callable[[int], None] | None = None,
@@ -161,6 +160,6 @@ def copy_from(
     return CopyReport(events=last_seq, calls=calls, head=head)
 
 
-def _name(journal: Any) -> str:
+def _name(journal: Journal) -> str:
     """The journal for a message: a SQLite file's path, a PostgreSQL journal's URL without its password."""
-    return str(journal.path) if isinstance(journal, SQLiteJournal) else str(journal.name)
+    return str(journal.path) if isinstance(journal, SQLiteJournal) else str(getattr(journal, "name", journal))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 from typing import Any
 from urllib.parse import unquote
 
+from .protocol import Journal
 from .sqlite import SQLiteJournal
 
 __all__ = ["open_journal", "without_secrets"]
@@ -14,17 +14,17 @@ __all__ = ["open_journal", "without_secrets"]
 _POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
-def open_journal(target: str, *, readonly: bool = False, create: bool = True, **options: Any) -> Any:
+def open_journal(target: str, *, readonly: bool = False, create: bool = True, **options: Any) -> Journal:
     """A :class:`SQLiteJournal` for a file path, or a ``PostgresJournal`` for a ``postgresql://``
-    or ``postgres://`` URL; ``options`` go to its constructor.
+    or ``postgres://`` URL; ``options`` go to its constructor. Either is a :class:`Journal`.
 
     With ``readonly`` nothing is created or changed, and a journal that does not exist raises
     :class:`~journal.errors.JournalNotFound`.
     """
     if target.startswith(_POSTGRES_SCHEMES):
-        # Imported only when asked for: psycopg is an optional extra.
-        postgres = importlib.import_module("journal.postgres")
-        return postgres.PostgresJournal(target, readonly=readonly, create=create, **options)
+        from .postgres import PostgresJournal  # only when asked for: psycopg is an optional extra
+
+        return PostgresJournal(target, readonly=readonly, create=create, **options)
     return SQLiteJournal(target, readonly=readonly, create=create, **options)
 
 
