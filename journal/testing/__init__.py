@@ -1,6 +1,8 @@
 """A test kit for code guarded by airlock: journals, effect counts, lost responses, kill points, faults.
 
-Also a pytest plugin (entry point ``airlock_journal``), so its fixtures are there in every test.
+Its fixtures are also a pytest plugin (entry point ``airlock_journal``, the module
+``pytest_airlock_journal``), so they are there in every test; loading the plugin imports nothing of
+this package until a fixture is used.
 """
 
 from .effects import EffectLog, lost_response
