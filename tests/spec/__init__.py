@@ -1,0 +1,1 @@
+"""The behaviour contract checked from the outside, one file per section of it."""
