@@ -212,12 +212,13 @@ def test_a_restart_during_a_tool_and_the_outage_are_clear_and_lose_nothing(
     journal.close()
 
 
-def _steady_replica(dsn: str, ledger: str, prefix: str, started: Any, stop: Any, results: Any) -> None:
+def _steady_replica(dsn: str, ledger: str, prefix: str, started: Any, stop: Any, results: Any,
+                    succeeded: Any) -> None:
     logging.disable(logging.CRITICAL)  # the outage is expected; its log lines are not the point
     journal = PostgresJournal(dsn, busy_timeout=20.0, connect_timeout=2.0, pool_size=2)
     charge = make_charge(journal, ledger)
     seen = []
-    deadline = time.monotonic() + 120  # a bound for a parent that never says stop
+    deadline = time.monotonic() + 900  # a bound for a parent that never says stop
     n = 0
     started.release()
     while not stop.is_set() and time.monotonic() < deadline:
@@ -228,6 +229,9 @@ def _steady_replica(dsn: str, ledger: str, prefix: str, started: Any, stop: Any,
         seen.append((call_id, outcome(result), time.monotonic()))
         if is_refusal(result):
             time.sleep(0.02)
+        else:
+            with succeeded.get_lock():
+                succeeded.value += 1
     journal.close()
     results.put(seen)
 
@@ -241,7 +245,9 @@ def test_replicas_through_a_server_restart_lose_and_double_nothing(
     PostgresJournal(pg_dsn).close()
     ledger = tmp_path / "ledger"
     results, started, stop = SPAWN.Queue(), SPAWN.Semaphore(0), SPAWN.Event()
-    replicas = [SPAWN.Process(target=_steady_replica, args=(pg_dsn, str(ledger), f"r{k}", started, stop, results))
+    succeeded = SPAWN.Value("i", 0)
+    replicas = [SPAWN.Process(target=_steady_replica,
+                              args=(pg_dsn, str(ledger), f"r{k}", started, stop, results, succeeded))
                 for k in range(2)]
     for p in replicas:
         p.start()
@@ -250,7 +256,11 @@ def test_replicas_through_a_server_restart_lose_and_double_nothing(
     time.sleep(1.0)
     pg_server.restart(mode, down_for=1.0)  # "immediate" is a crash: recovery replays the WAL
     restarted_at = time.monotonic()
-    time.sleep(2.0)
+    # What is waited for is a call that succeeds after the restart, however long the recovery takes
+    # on a loaded machine (it fsyncs the whole data directory after a crash).
+    before, deadline = succeeded.value, time.monotonic() + 600
+    while succeeded.value <= before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
     stop.set()
     seen = [call for _ in replicas for call in results.get(timeout=120)]
     for p in replicas:
