@@ -26,9 +26,9 @@ __all__ = ["LeaseStore", "OwnerState", "Settle", "Renewer", "renewer"]
 
 log = logging.getLogger("guard")
 
-# The callback of :meth:`LeaseStore.settle`: given the call's record (None for a call never seen)
-# and whether its owner is alive (None when it is not pending), the event to append, or None.
-Settle = Callable[[CallRecord | None, bool | None], EffectEvent | None]
+# The callback of :meth:`LeaseStore.settle`: given the call's record (None for a call never seen),
+# the event to append, or None.
+Settle = Callable[[CallRecord | None], EffectEvent | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +50,8 @@ class LeaseStore(Protocol):
     - ``claim_lease``: take it only when no other holder has a live lease on the call and the
       call is not pending with an owner alive by the host-and-pid test; True when taken. At most
       one holder at a time gets a claim, across threads and processes.
-    - ``settle``: in one atomic step, read the call's record and its owner's state, let the callback
-      choose the event, and append it; returns the ``seq`` appended, or None when the callback chose
+    - ``settle``: in one atomic step, read the call's record, let the callback choose the event, and
+      append it; returns the ``seq`` appended, or None when the callback chose
       none. What the callback raises is raised, and nothing is appended.
     - ``owner_states``: the :class:`OwnerState` of each of the records given.
     """
@@ -101,10 +101,6 @@ class Renewer:
     def let_go(self, store: LeaseStore, call_id: str, holder: str) -> None:
         with self._lock:
             self._held.pop((id(store), call_id, holder), None)
-
-    def holding(self) -> int:
-        with self._lock:
-            return len(self._held)
 
     def _run(self) -> None:
         while True:

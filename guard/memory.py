@@ -89,7 +89,7 @@ class InMemoryEffectStore:
     def settle(self, call_id: str, choose: Settle) -> int | None:
         with self._lock:
             record = self._records.get(call_id)
-            event = choose(record, self._alive(record))
+            event = choose(record)
             if event is None:
                 return None
             self._append(event)

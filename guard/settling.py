@@ -100,7 +100,7 @@ def settle_as(
 
     made: list[EffectEvent] = []
 
-    def choose(current: CallRecord | None, alive: bool | None) -> EffectEvent | None:
+    def choose(current: CallRecord | None) -> EffectEvent | None:
         made.clear()
         if current is None or (current.status, current.attempt) != (record.status, record.attempt):
             return None

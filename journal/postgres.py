@@ -43,7 +43,7 @@ from . import archive, pg_schema
 from .chain import GENESIS, ChainCheck, hash_of
 from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, StoreBusy, unstorable
 from .events import JournalEvent, JournalStats, VerifyReport
-from .leasing import SWEEP_EVERY, owner_state, pending_alive, unclaimable
+from .leasing import SWEEP_EVERY, owner_state, unclaimable
 from .open import without_secrets
 from .pg_deadline import DeadlineConnection
 from .projection import fold_into
@@ -1403,15 +1403,15 @@ class PostgresJournal(LogReads, Reconciling):
         return self._write("claim a call", work, pipeline=False)
 
     def settle(self, call_id: str, choose: Settle) -> int | None:
-        """Read the call's record and its owner's state, let ``choose`` make the event, append it;
+        """Read the call's record, let ``choose`` make the event, append it;
         in one transaction that holds the head. Returns the ``seq`` appended (None: none chosen)."""
         if not holds(call_id, nul=False):  # no call has it
-            choose(None, None)
+            choose(None)
             return None
 
         def work(conn: Conn) -> int | None:
             head, record = self._lock_and_read(conn, call_id)
-            event = choose(record, self._alive(conn, record))
+            event = choose(record)
             if event is None:
                 return None
             return self._append_locked(conn, head, record, event)[0].seq
@@ -1439,12 +1439,6 @@ class PostgresJournal(LogReads, Reconciling):
             return None
         until, now = conn.execute(_LATEST_LEASE, (record.call_id,)).fetchone() or (None, None)
         return None if until is None else bool(until > now)
-
-    def _alive(self, conn: Conn, record: CallRecord | None) -> bool | None:
-        if record is None or record.status != "pending":
-            return None
-        until, now = conn.execute(_LATEST_LEASE, (record.call_id,)).fetchone() or (None, None)
-        return pending_alive(record, until, now)
 
     # -- operators ----------------------------------------------------------------------------
 

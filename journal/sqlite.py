@@ -46,7 +46,7 @@ from .errors import (
 )
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
 from .export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each, row_hash
-from .leasing import SWEEP_EVERY, owner_state, pending_alive, unclaimable
+from .leasing import SWEEP_EVERY, owner_state, unclaimable
 from .projection import fold_into, fold_row
 from .reading import LogReads, call_filter, event_filter, page
 from .reconcile import Reconciling
@@ -981,12 +981,12 @@ class SQLiteJournal(LogReads, Reconciling):
         return self._write(_NORMAL, step)
 
     def settle(self, call_id: str, choose: Settle) -> int | None:
-        """Read the call's record and its owner's state, let ``choose`` make the event, append it;
+        """Read the call's record, let ``choose`` make the event, append it;
         in one write transaction. Returns the ``seq`` appended (None when ``choose`` chose none)."""
 
         def step(conn: sqlite3.Connection) -> int | None:
             head, record = _head_and_record(conn, call_id)
-            event = choose(record, self._alive(conn, record))
+            event = choose(record)
             if event is None:
                 return None
             return self._append(conn, event, record, head)[0]
@@ -1020,11 +1020,6 @@ class SQLiteJournal(LogReads, Reconciling):
             return None
         latest = self._latest_lease(conn, record.call_id)
         return None if latest is None else latest > time.time()
-
-    def _alive(self, conn: sqlite3.Connection, record: CallRecord | None) -> bool | None:
-        if record is None or record.status != "pending":
-            return None
-        return pending_alive(record, self._latest_lease(conn, record.call_id), time.time())
 
     def _append(
         self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None, head: tuple[int, str]
