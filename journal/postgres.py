@@ -18,6 +18,7 @@ it comes back the pool replaces its dead connections and the journal carries on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -39,8 +40,8 @@ from guard.canonical import NotCanonical
 from guard.leases import OwnerState, Settle
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at, utc_now
 
-from . import archive, pg_schema
-from .chain import GENESIS, ChainCheck, hash_of
+from . import archive, pg_schema, verifying
+from .chain import GENESIS, hash_of
 from .errors import JournalError, JournalNotFound, NewerSchema, NotAJournal, StoreBusy, unstorable
 from .events import JournalEvent, JournalStats, VerifyReport
 from .leasing import SWEEP_EVERY, owner_state, unclaimable
@@ -58,7 +59,6 @@ from .rows import (
     holds,
     operator_event,
     placed,
-    projection_problem,
     record_from_row,
     split_body,
     stamp,
@@ -274,13 +274,6 @@ def _dsn_keys(dsn: str) -> set[str]:
         return set(conninfo_to_dict(dsn))
     except psycopg.Error:
         return set()  # the connection attempt reports what is wrong with it
-
-
-def _record_or_none(row: tuple[Any, ...]) -> CallRecord | None:
-    try:
-        return record_from_row(row)
-    except (ValueError, TypeError):
-        return None
 
 
 class _ConnectionLost(JournalError):
@@ -1260,23 +1253,18 @@ class PostgresJournal(LogReads, Reconciling):
 
     def _verify(self, conn: Conn, advance: Callable[[int], None] | None = None) -> VerifyReport:
         # The log goes on from the last archive's head, folded onto the projection as of that head.
-        check = ChainCheck(start=archive.postgres_archived_head(conn))
-        folded = {row[0]: self._decoded(record_from_row, row) for row in archive.postgres_snapshot(conn)}
-        with conn.cursor(name="airlock_verify") as cur:
-            cur.itersize = _BATCH
-            cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
-            for row in cur:
-                if advance is not None and row[0] % _BATCH == 0:
-                    advance(_BATCH)
-                try:
-                    event = event_from_row(row)
-                    expected = hash_of(event)
-                except (ValueError, TypeError) as e:
-                    check.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
-                    break
-                if not check.feed(event.seq, event.prev_hash, event.hash, expected):
-                    break
-                fold_into(folded, event)
+        # Server-side cursors: the log and the projection come in batches, never whole into memory.
+        def streamed(name: str, sql: str) -> Iterator[tuple[Any, ...]]:
+            with conn.cursor(name=name) as cur:
+                cur.itersize = _BATCH
+                cur.execute(sql.encode())
+                yield from cur
+
+        calls = functools.partial(streamed, "airlock_verify_calls", f"{_CALL_SELECT} ORDER BY call_id")
+        start = archive.postgres_archived_head(conn)
+        archived = verifying.HeldProjection(archive.postgres_snapshot(conn), calls) if start[0] else None
+        check, folded = verifying.check_log(streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq"),
+                                            start=start, archived=archived, advance=advance)
         report = check.report()
         if not report.ok:
             return report
@@ -1296,13 +1284,7 @@ class PostgresJournal(LogReads, Reconciling):
                 ok=False, events=report.events, head=report.head, first_bad_seq=log_end or None,
                 problem=f"the chain head row {head!r} does not match the last event",
             )
-        stored = {r[0]: _record_or_none(r) for r in conn.execute(_CALL_SELECT.encode()).fetchall()}
-        problem = projection_problem(folded, stored, check.last_seq)
-        if problem is not None:
-            bad_seq, text = problem
-            return VerifyReport(ok=False, events=report.events, head=report.head, first_bad_seq=bad_seq,
-                                problem=text)
-        return report
+        return verifying.compare_projection(check, folded, archived.rows(folded) if archived is not None else calls())
 
     def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
         """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls.

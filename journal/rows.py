@@ -17,7 +17,7 @@ import orjson
 from guard.canonical import canonical_bytes
 from guard.store import CallRecord, EffectEvent, current_owner, format_at, parse_at
 
-from .chain import ahead_of_log, body_bytes, compute_hash, event_body
+from .chain import body_bytes, compute_hash, event_body
 from .errors import CallNotFound, NotResolvable
 from .events import JournalEvent, text_sha256
 from .owner import owner_alive
@@ -31,7 +31,6 @@ __all__ = [
     "event_row",
     "json_text",
     "operator_event",
-    "projection_problem",
     "placed",
     "record_from_row",
     "split_body",
@@ -276,31 +275,3 @@ def operator_event(
         value=stored_value, reason={"code": "applied" if applied else "not_applied", "message": reason},
         actor=f"operator:{operator}", attempt=record.attempt, owner=current_owner(),
     )
-
-
-def projection_problem(
-    folded: Mapping[str, CallRecord], stored: Mapping[str, CallRecord | None], log_end: int | None = None
-) -> tuple[int, str] | None:
-    """The first difference between the fold of the log and the stored projection, as
-    ``(seq, sentence)``, or None when they are equal. ``stored`` maps a call id to its decoded
-    row (None for a row that cannot be read); it is checked in call id order. Given the log's last
-    seq ``log_end``, a row the log cannot have produced is named first, without advising a rebuild
-    (:func:`journal.chain.ahead_of_log`)."""
-    if log_end is not None:
-        for call_id in sorted(stored):
-            record = stored[call_id]
-            if record is not None and record != folded.get(call_id):
-                ahead = ahead_of_log(call_id, record.last_seq, record.attempt, folded.get(call_id), log_end)
-                if ahead is not None:
-                    return record.last_seq, ahead
-    remaining = dict(folded)
-    for call_id in sorted(stored):
-        record = stored[call_id]
-        expected = remaining.pop(call_id, None)
-        if record != expected:
-            seq = expected.last_seq if expected is not None else (record.last_seq if record is not None else 0)
-            return seq, f"the projection of call {call_id!r} differs from the log; run rebuild"
-    if remaining:
-        call_id, record = min(remaining.items(), key=lambda item: item[1].last_seq)
-        return record.last_seq, f"the projection lacks call {call_id!r}; run rebuild"
-    return None

@@ -32,8 +32,8 @@ from guard.canonical import NotCanonical
 from guard.leases import OwnerState, Settle
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, parse_at
 
-from . import archive, damage, schema, sqlite_verify
-from .chain import GENESIS, ChainCheck, compute_hash
+from . import archive, damage, schema, sqlite_verify, verifying
+from .chain import GENESIS, compute_hash
 from .errors import (
     DiskFull,
     JournalDamaged,
@@ -45,9 +45,9 @@ from .errors import (
     unstorable,
 )
 from .events import JournalEvent, JournalStats, VerifyReport, at_text, text_sha256
-from .export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each, row_hash
+from .export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each
 from .leasing import SWEEP_EVERY, owner_state, unclaimable
-from .projection import fold_into, fold_row
+from .projection import fold_into
 from .reading import LogReads, call_filter, event_filter, page
 from .reconcile import Reconciling
 from .rows import event_from_row, holds, json_text, operator_event, record_from_row
@@ -1389,28 +1389,11 @@ class SQLiteJournal(LogReads, Reconciling):
         the caller's: a read snapshot, or a write not yet committed)."""
         # The log goes on from the last archive's head, folded onto the projection as of that head.
         base = archive.sqlite_archived_head(conn)
-        check = ChainCheck(start=base)
-        folded: dict[str, CallRecord] = {}
-        archived = archive.SQLiteSnapshot(conn) if base[0] else None
-        for row in conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"):
-            if advance is not None and row[0] % _ADVANCE_EVERY == 0:
-                advance(_ADVANCE_EVERY)
-            try:
-                expected = row_hash(row)
-            except (ValueError, TypeError, AttributeError) as e:
-                check.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
-                break
-            if not check.feed(row[0], row[14], row[15], expected):
-                break
-            if archived is not None:
-                archived.seed(folded, row[2])
-            fold_row(folded, row)
-        if not check.ok:
-            return check.report()
-        if archived is not None:
-            return sqlite_verify.compare_projection(check, folded, archived.rows(folded))
-        rows = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id")
-        return sqlite_verify.compare_projection(check, folded, rows)
+        return verifying.verify_rows(
+            conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
+            lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
+            start=base, archived=archive.SQLiteSnapshot(conn) if base[0] else None, advance=advance,
+        )
 
     def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
         """Rebuild the projection from the log through the fold, in one transaction; returns the

@@ -17,22 +17,19 @@ import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import orjson
 
 from guard.store import CallRecord
 
 from . import schema
-from .chain import GENESIS, ChainCheck, ahead_of_log
-from .events import VerifyReport
+from .chain import GENESIS
 from .export import row_hash
 from .projection import fold_row, record_row
 from .rows import CALL_COLUMNS, EVENT_COLUMNS
 
-__all__ = ["PARALLEL_FROM", "PATIENCE", "check_part", "child_said_ok", "compare_projection", "start_part"]
+__all__ = ["PARALLEL_FROM", "PATIENCE", "check_part", "child_said_ok", "start_part"]
 
 # Below this many events one pass is quicker than starting another interpreter.
 PARALLEL_FROM = 200_000
@@ -108,36 +105,6 @@ def _projection_ok(conn: sqlite3.Connection, folded: dict[str, CallRecord], part
         if record is None or record_row(record) != row:
             return False
     return not folded
-
-
-def compare_projection(
-    check: ChainCheck, folded: dict[str, CallRecord], rows: Iterable[tuple[Any, ...]]
-) -> VerifyReport:
-    """The report of a log that checked out in ``check`` and folds to ``folded`` (emptied here),
-    against its projection ``rows`` (:data:`CALL_COLUMNS`, in call id order).
-
-    A row the log cannot have produced (see :func:`journal.chain.ahead_of_log`) is named before
-    any stale one: its problem says events may have been removed from the end, and does not advise
-    a rebuild, which would erase it. A stale or edited row, or a missing one, advises a rebuild.
-    """
-    stale: tuple[int, str] | None = None
-    for row in rows:
-        expected = folded.pop(row[0], None)
-        if expected is not None and record_row(expected) == row:
-            continue
-        ahead = ahead_of_log(str(row[0]), row[15], row[3], expected, check.last_seq)
-        if ahead is not None:
-            check.fail(row[15], ahead)
-            return check.report()
-        if stale is None:
-            seq = expected.last_seq if expected is not None else row[15]
-            stale = seq, f"the projection of call {row[0]!r} differs from the log; run rebuild"
-    if stale is not None:
-        check.fail(*stale)
-    elif folded:
-        call_id, record = min(folded.items(), key=lambda item: item[1].last_seq)
-        check.fail(record.last_seq, f"the projection lacks call {call_id!r}; run rebuild")
-    return check.report()
 
 
 def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -> bool:
