@@ -9,19 +9,13 @@ events; the source is only read.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-
-from guard.store import CallRecord
 
 from .errors import JournalError
 from .events import JournalEvent, VerifyReport
 from .open import open_journal
-from .projection import fold_into
 from .protocol import EventImporter, Journal
-from .rows import CALL_COLUMNS, EVENT_COLUMNS, call_row, event_row
-from .sqlite import SQLiteJournal
 
 __all__ = ["CopyReport", "copy_from", "copy_journal", "import_events"]
 
@@ -56,38 +50,6 @@ def _check_chain(events: Iterable[JournalEvent]) -> Iterator[JournalEvent]:
         yield event
 
 
-def _folding(events: Iterable[JournalEvent], folded: dict[str, CallRecord]) -> Iterator[JournalEvent]:
-    for event in events:
-        fold_into(folded, event)
-        yield event
-
-
-def _import_sqlite(journal: SQLiteJournal, events: Iterable[JournalEvent],
-                   check: Callable[[VerifyReport], None] | None) -> int:
-    folded: dict[str, CallRecord] = {}
-
-    def step(conn: sqlite3.Connection) -> int:
-        if conn.execute("SELECT EXISTS (SELECT 1 FROM events)").fetchone()[0]:
-            raise JournalError(f"the destination {journal.path} is not empty; copy only into a new journal")
-        marks = ", ".join("?" * len(EVENT_COLUMNS))
-        conn.executemany(f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) VALUES ({marks})",
-                         (event_row(e) for e in _folding(events, folded)))
-        conn.execute("DELETE FROM calls")
-        marks = ", ".join("?" * len(CALL_COLUMNS))
-        conn.executemany(f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) VALUES ({marks})",
-                         (call_row(r) for r in folded.values()))
-        calls = len(folded)
-        folded.clear()  # the check folds the log again: one fold in memory at a time
-        if check is not None:
-            check(journal._verified_log(conn))  # raises to refuse the copy: the transaction is undone
-        return calls
-
-    try:
-        return journal._write("FULL", step)
-    except sqlite3.Error as e:
-        raise JournalError(f"cannot copy into the journal {journal.path}: {e}") from e
-
-
 def import_events(destination: Journal, events: Iterable[JournalEvent],
                   check: Callable[[VerifyReport], None] | None = None) -> int:
     """Insert stored ``events`` (in ``seq`` order from 1) into the empty journal ``destination`` as
@@ -99,8 +61,6 @@ def import_events(destination: Journal, events: Iterable[JournalEvent],
     Raises :class:`JournalError` when the destination is not empty (nothing is changed then) or
     the events do not follow one another.
     """
-    if isinstance(destination, SQLiteJournal):
-        return _import_sqlite(destination, _check_chain(events), check)
     if not isinstance(destination, EventImporter):
         raise JournalError(f"cannot copy into {destination!r}: it is not a journal")
     return destination.import_events(_check_chain(events), check)
@@ -162,4 +122,5 @@ def copy_from(
 
 def _name(journal: Journal) -> str:
     """The journal for a message: a SQLite file's path, a PostgreSQL journal's URL without its password."""
-    return str(journal.path) if isinstance(journal, SQLiteJournal) else str(getattr(journal, "name", journal))
+    name = getattr(journal, "name", None)  # a PostgreSQL journal's; a SQLite journal is named by its path
+    return name if isinstance(name, str) else str(getattr(journal, "path", journal))

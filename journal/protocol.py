@@ -28,7 +28,19 @@ __all__ = ["EventImporter", "Journal"]
 
 
 @runtime_checkable
-class Journal(EffectStore, LeaseStore, ArchiveStore, Protocol):
+class EventImporter(Protocol):
+    """A journal that takes a copied log in one transaction of its own (see :mod:`journal.copy`)."""
+
+    def import_events(self, events: Iterable[JournalEvent],
+                      check: Callable[[VerifyReport], None] | None = None) -> int:
+        """Insert stored ``events`` (``seq`` from 1, in order) as they are, and the projection folded
+        from them, into this empty journal; ``check`` is given the verify report before the commit,
+        and raises to refuse it. Returns the number of calls."""
+        ...
+
+
+@runtime_checkable
+class Journal(EffectStore, LeaseStore, ArchiveStore, EventImporter, Protocol):
     """A durable :class:`~guard.store.EffectStore` (``begin``, ``append``, ``get``) that keeps
     leases (:class:`~guard.leases.LeaseStore`, ``owner_states`` among them) and archives its log
     (:class:`~journal.archive.ArchiveStore`), with the operator's reads, checks and repairs. Use it
@@ -180,18 +192,6 @@ class Journal(EffectStore, LeaseStore, ArchiveStore, Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
 
-@runtime_checkable
-class EventImporter(Protocol):
-    """A journal that takes a copied log in one transaction of its own (see :mod:`journal.copy`)."""
-
-    def import_events(self, events: Iterable[JournalEvent],
-                      check: Callable[[VerifyReport], None] | None = None) -> int:
-        """Insert stored ``events`` (``seq`` from 1, in order) as they are, and the projection folded
-        from them, into this empty journal; ``check`` is given the verify report before the commit,
-        and raises to refuse it. Returns the number of calls."""
-        ...
-
-
-def _implemented(sqlite: SQLiteJournal, postgres: PostgresJournal) -> tuple[Journal, Journal, EventImporter]:
+def _implemented(sqlite: SQLiteJournal, postgres: PostgresJournal) -> tuple[Journal, Journal]:
     """Never called: mypy checks here that both stores implement :class:`Journal`."""
-    return sqlite, postgres, postgres
+    return sqlite, postgres

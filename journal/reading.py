@@ -1,4 +1,8 @@
-"""The reads both SQL journals make the same way, on top of each one's own ``event_rows``."""
+"""The reads both SQL journals make the same way, written once on each store's two primitives:
+``_rows`` (one statement, its rows) and ``_snapshot`` (several statements that see one moment).
+
+The statements are the same on both backends but for the placeholder (``_placeholder``), the ``LIMIT``
+that means all (``_unlimited``), and whether a text may hold a NUL (``_nul``)."""
 
 from __future__ import annotations
 
@@ -6,16 +10,26 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from guard.store import CallRecord, format_at
+from guard.store import CallRecord, format_at, parse_at
 
-from .events import JournalEvent
+from .events import JournalEvent, JournalStats
 from .export import csv_header, csv_lines, jsonl_lines, one_line_each
-from .rows import event_from_row, holds, operator_event
+from .rows import CALL_COLUMNS, EVENT_COLUMNS, event_from_row, holds, operator_event, record_from_row
 
 __all__ = ["LogReads", "call_filter", "event_filter", "page"]
 
 T = TypeVar("T")
 _LINES_A_BATCH = 1000
+_BATCH = 1000  # rows of events read at a time
+_CALLS = f"SELECT {', '.join(CALL_COLUMNS)} FROM calls"
+_EVENTS = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events"
+_STATS = (
+    "SELECT status, count(*) FROM calls GROUP BY status ORDER BY status",
+    "SELECT tool, count(*) FROM calls GROUP BY tool ORDER BY tool",
+    # seq is gapless from 1 (archives included), so the last one counts the events without a scan.
+    "SELECT coalesce(max(seq), 0) FROM events",
+    "SELECT status, min(since) FROM calls WHERE status IN ('pending', 'unknown') GROUP BY status",
+)
 
 
 def _filter(
@@ -79,7 +93,37 @@ def event_filter(
 
 
 class LogReads:
-    """``events``, ``call_events`` and ``export_lines`` for a journal that streams its stored rows."""
+    """The operator's reads of a SQL journal: calls, events, counts, stats and the exports."""
+
+    _placeholder = "?"  # the driver's placeholder
+    _unlimited = "-1"  # what LIMIT takes for all rows
+    _nul = True  # whether the database holds a NUL in a text
+
+    def _rows(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """The rows of one statement (``doing`` names it in an error)."""
+        raise NotImplementedError
+
+    def _snapshot(self, doing: str, statements: Sequence[str]) -> list[list[tuple[Any, ...]]]:
+        """The rows of each of ``statements``, all read in one snapshot."""
+        raise NotImplementedError
+
+    def calls(
+        self,
+        *,
+        status: str | Sequence[str] | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        limit: int | None = 50,
+        offset: int = 0,
+    ) -> list[CallRecord]:
+        """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status
+        (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all),
+        after skipping the first ``offset`` (the pages of a long list)."""
+        clauses, params = call_filter(self._placeholder, self._nul, status, tool, agent_id, since)
+        sql = _CALLS + (" WHERE " + " AND ".join(clauses) if clauses else "")
+        sql += " ORDER BY updated_at DESC, call_id DESC" + page(limit, offset, self._unlimited)
+        return [self._decoded(record_from_row, row) for row in self._rows("read the calls", sql, params)]
 
     def event_rows(
         self,
@@ -91,10 +135,51 @@ class LogReads:
         until: datetime | None = None,
         after_seq: int = 0,
     ) -> Iterator[tuple[Any, ...]]:
-        """The filtered log in ``seq`` order as stored rows (``journal.rows.EVENT_COLUMNS``), in batches."""
-        raise NotImplementedError
+        """What :meth:`events` gives, as the stored rows (columns of ``journal.rows.EVENT_COLUMNS``:
+        ``at`` and the JSON fields as their stored text), in batches, for exports that stream millions."""
+        clauses, params = event_filter(self._placeholder, self._nul, call_id, tool, agent_id, since, until)
+        # Up to the head as it is now: a reader never chases writers that keep appending.
+        head = int(self._rows("read the events", "SELECT coalesce(max(seq), 0) FROM events")[0][0])
+        mark = self._placeholder
+        sql = (f"{_EVENTS} WHERE {' AND '.join([f'seq > {mark}', f'seq <= {mark}', *clauses])} "
+               f"ORDER BY seq LIMIT {_BATCH}")
+        last = after_seq
+        while True:
+            rows = self._rows("read the events", sql, [last, head, *params])
+            yield from rows
+            if len(rows) < _BATCH:
+                return
+            last = int(rows[-1][0])
 
-    def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:
+    def count_events(
+        self,
+        *,
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        after_seq: int = 0,
+    ) -> int:
+        """How many events :meth:`events` with the same filters would give now."""
+        clauses, params = event_filter(self._placeholder, self._nul, call_id, tool, agent_id, since, until)
+        sql = f"SELECT count(*) FROM events WHERE {' AND '.join([f'seq > {self._placeholder}', *clauses])}"
+        return int(self._rows("count the events", sql, [after_seq, *params])[0][0])
+
+    def stats(self) -> JournalStats:
+        """Counts of calls by status and by tool, the number of events, and when the oldest pending
+        and unknown calls entered that status; all of one moment, however many writers there are."""
+        statuses, tools, events, oldest_rows = self._snapshot("read the stats", _STATS)
+        by_status = {str(status): int(n) for status, n in statuses}
+        oldest = {str(status): at for status, at in oldest_rows if at is not None}
+        return JournalStats(
+            calls=sum(by_status.values()), events=int(events[0][0]), by_status=by_status,
+            by_tool={str(tool): int(n) for tool, n in tools},
+            oldest_pending_at=self._decoded(parse_at, oldest["pending"]) if "pending" in oldest else None,
+            oldest_unknown_at=self._decoded(parse_at, oldest["unknown"]) if "unknown" in oldest else None,
+        )
+
+    def _decoded(self, decode: Callable[[Any], T], row: Any) -> T:
         raise NotImplementedError
 
     def get(self, call_id: str) -> CallRecord | None:

@@ -208,7 +208,7 @@ def test_a_server_append_cut_off_is_never_made_again_the_locked_way(
 ) -> None:
     # The session the call is sent again on has no server-side append (one that could not make it):
     # the locked way cannot tell the first call's event, so the write fails rather than doubling.
-    import journal.postgres as postgres
+    import journal.postgres.connection as postgres
 
     journal, proxy = proxied
     monkeypatch.setattr(journal, "_skip_cas", 10**9)  # every write made on the server

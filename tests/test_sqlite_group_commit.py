@@ -21,7 +21,7 @@ import pytest
 from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context, is_refusal
 from guard.effect_guard import EffectGuard
 from journal import SQLiteJournal
-from journal import sqlite as journal_sqlite
+from journal.sqlite import group_commit as journal_sqlite
 
 CTX = multiprocessing.get_context("fork")
 THREADS = 8

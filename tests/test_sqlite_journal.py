@@ -21,7 +21,7 @@ from guard.canonical import canonical_json
 from guard.effect_guard import EffectGuard, idempotency_key
 from guard.store import EffectEvent, current_owner, parse_at
 from journal import CallNotFound, JournalError, NotResolvable, SQLiteJournal, StoreBusy
-from journal import sqlite as journal_sqlite
+from journal.sqlite import group_commit as journal_sqlite
 
 T0 = parse_at("2026-12-01T05:00:00.000000Z")
 

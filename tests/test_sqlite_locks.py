@@ -30,7 +30,7 @@ from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard
 from guard.store import Decision, EffectEvent, Verdict
 from journal import SQLiteJournal
-from journal import sqlite as journal_sqlite
+from journal.sqlite import forks as journal_sqlite
 from journal.errors import JournalError
 
 ROOT = Path(__file__).resolve().parents[1]

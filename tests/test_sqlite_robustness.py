@@ -410,7 +410,7 @@ def test_a_pending_committed_just_before_close_is_durable_and_not_refused(tmp_pa
     # begin waits for its fsync: the checkpoint made the pending durable, so the call may go on.
     path = tmp_path / "j.db"
     journal = SQLiteJournal(path, durability="full")
-    from journal.sqlite import _head_and_record
+    from journal.sqlite.writes import _head_and_record
 
     journal.begin("c0", run_pending("c0"))  # type: ignore[arg-type]
 

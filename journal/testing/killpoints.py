@@ -151,7 +151,7 @@ def _store_kind(store: object) -> str | None:
 
     if isinstance(store, SQLiteJournal):
         return "sqlite"
-    if type(store).__name__ == "PostgresJournal" and type(store).__module__ == "journal.postgres":
+    if type(store).__name__ == "PostgresJournal" and type(store).__module__.startswith("journal.postgres"):
         return "postgres"
     return None
 

@@ -1,0 +1,123 @@
+"""Checking a PostgreSQL journal against its log, rebuilding its projection, and importing a copied log.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from guard.store import CallRecord
+
+from .. import archive, verifying
+from ..errors import JournalError
+from ..events import JournalEvent, VerifyReport
+from ..projection import fold_into
+from ..rebuilding import refold
+from ..rows import (
+    EVENT_COLUMNS,
+    call_row,
+    event_row,
+)
+from .connection import Conn, Connection
+from .sql import _BATCH, _CALL_SELECT, _EVENT_SELECT, _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
+
+
+class Checking(Connection):
+    """Verify, rebuild and import."""
+
+    def verify(self, *, advance: Callable[[int], None] | None = None) -> VerifyReport:
+        """Recompute the hash chain and check the projection and the head against the log, on one
+        consistent snapshot (writers carry on meanwhile). ``advance`` is told of each stretch of
+        events checked (a progress bar's update)."""
+        return self._read_only("verify the journal", lambda conn: self._verify(conn, advance))
+
+    def _verify(self, conn: Conn, advance: Callable[[int], None] | None = None) -> VerifyReport:
+        # The log goes on from the last archive's head, folded onto the projection as of that head.
+        # Server-side cursors: the log and the projection come in batches, never whole into memory.
+        def streamed(name: str, sql: str) -> Iterator[tuple[Any, ...]]:
+            with conn.cursor(name=name) as cur:
+                cur.itersize = _BATCH
+                cur.execute(sql.encode())
+                yield from cur
+
+        calls = functools.partial(streamed, "airlock_verify_calls", f"{_CALL_SELECT} ORDER BY call_id")
+        start = archive.postgres_archived_head(conn)
+        archived = verifying.HeldProjection(archive.postgres_snapshot(conn), calls) if start[0] else None
+        check, folded = verifying.check_log(streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq"),
+                                            start=start, archived=archived, advance=advance)
+        report = check.report()
+        if not report.ok:
+            return report
+        head = conn.execute(b"SELECT seq, hash FROM chain_head WHERE id = 1").fetchone()
+        log_end = check.last_seq
+        if head is None or (int(head[0]), str(head[1])) != (log_end, report.head):
+            if head is not None and int(head[0]) > log_end:
+                # The log was cut short: the first event missing is the first bad one.
+                first, last = log_end + 1, int(head[0])
+                missing = f"seq {first} is" if first == last else f"seq {first} to {last} are"
+                return VerifyReport(
+                    ok=False, events=report.events, head=report.head, first_bad_seq=first,
+                    problem=f"{missing} missing: the log ends at seq {log_end} but the chain head "
+                            f"row records seq {last}",
+                )
+            return VerifyReport(
+                ok=False, events=report.events, head=report.head, first_bad_seq=log_end or None,
+                problem=f"the chain head row {head!r} does not match the last event",
+            )
+        return verifying.compare_projection(check, folded, archived.rows(folded) if archived is not None else calls())
+
+    def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
+        """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls.
+        ``advance`` is told of each batch of events folded."""
+
+        def work(conn: Conn) -> int:
+            conn.execute(_LOCK_HEAD).fetchone()
+            # A server-side cursor: the log comes in batches, never whole into this process's memory.
+            with conn.cursor(name="airlock_rebuild") as cur:
+                cur.itersize = _BATCH
+                cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
+                rows = refold(archive.postgres_snapshot(conn), cur, self._decoded, advance)
+            conn.execute(b"DELETE FROM calls")
+            with conn.cursor() as cur:
+                cur.executemany(_UPSERT_CALL, rows)
+            # Writers that read the old projection must read again: their compare-and-set now fails.
+            conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
+            return len(rows)
+
+        return self._write("rebuild the projection", work, pipeline=False)
+
+    def import_events(self, events: Iterable[JournalEvent],
+                      check: Callable[[VerifyReport], None] | None = None) -> int:
+        """Insert stored ``events`` (``seq`` from 1, in order) as they are, with their hashes, and the
+        projection folded from them (replacing whatever rows the projection held), into this empty
+        journal in one transaction; returns the number of calls. ``check`` is given the report of
+        :meth:`verify` on the result before it commits, and raises to refuse it. Raises
+        :class:`JournalError` when the journal already holds events, or ``check`` refuses: nothing
+        is changed then. Used by :func:`journal.copy.copy_journal`."""
+
+        def work(conn: Conn) -> int:
+            seq = (conn.execute(_LOCK_HEAD).fetchone() or (0,))[0]
+            if seq or conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
+                raise JournalError(f"the destination {self.name} is not empty; copy only into a new journal")
+            folded: dict[str, CallRecord] = {}
+            last: JournalEvent | None = None
+            with conn.cursor().copy(f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN".encode()) as copy:
+                for event in events:
+                    copy.write_row(event_row(event))
+                    fold_into(folded, event)
+                    last = event
+            # The projection is the fold of these events alone: rows left from before (with no events
+            # of their own) would make calls the copied log never had.
+            conn.execute(b"DELETE FROM calls")
+            with conn.cursor() as cur:
+                cur.executemany(_UPSERT_CALL, [call_row(r) for r in folded.values()])
+            if last is not None:
+                conn.execute(_SET_HEAD, (last.seq, last.hash))
+            conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
+            if check is not None:
+                check(self._verify(conn))  # before the commit: a copy refused leaves nothing behind
+            return len(folded)
+
+        # Not retried: the events are consumed as they are copied.
+        return self._write("copy events", work, pipeline=False, retry=False)

@@ -1,0 +1,149 @@
+"""Checking a SQLite journal against its own log, and rebuilding its projection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from guard.store import CallRecord
+
+from .. import archive, damage, schema, sqlite_verify, verifying
+from ..errors import JournalError
+from ..events import JournalEvent, VerifyReport
+from ..projection import fold_into
+from ..rebuilding import refold
+from ..rows import call_row, event_row
+from .connection import _FULL, _NORMAL, Connection
+from .sql import _CALL_COLUMNS, _EVENT_COLUMNS, _INSERT_EVENT, _SELECT_HEAD, _UPSERT_CALL
+
+
+class Checking(Connection):
+    """Verify (in parts, on several cores, for a large journal) and rebuild."""
+
+    def verify(self, *, parts: int | None = None, advance: Callable[[int], None] | None = None) -> VerifyReport:
+        """Recompute the hash chain from the stored fields, check that ``seq`` is gapless from 1, and
+        compare the projection with the fold of the log, on one consistent snapshot.
+
+        A journal of :data:`~journal.sqlite_verify.PARALLEL_FROM` events or more is checked in
+        ``parts`` (default: one a core, at most 4) by child processes at once; when a part finds a
+        problem, or a child cannot run, it is checked again in one pass, which names the first bad
+        event. ``parts=1`` always checks in one pass. ``advance`` is told of each stretch of events
+        checked (a progress bar's update).
+        """
+        if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or parts < 1):
+            raise ValueError(f"parts is a number, 1 or more, not {parts!r}")
+        with self._lock:
+            self._connection()
+        snapshot = self._connect(schema.reader_uri(self._file), uri=True)
+        try:
+            head = self._retry(snapshot, lambda: snapshot.execute(_SELECT_HEAD).fetchone())
+            if head is not None:
+                n = parts if parts is not None else (
+                    min(os.cpu_count() or 1, 4) if head[0] >= sqlite_verify.PARALLEL_FROM else 1
+                )
+                if n > 1 and self._retry(snapshot, lambda: archive.sqlite_archived_head(snapshot))[0]:
+                    n = 1  # the parts check a log that starts at seq 1; an archived one is checked in one pass
+                if n > 1 and self._verified_in_parts(int(head[0]), n, advance):
+                    return self._undamaged(snapshot, VerifyReport(
+                        ok=True, events=int(head[0]), head=str(head[1]), first_bad_seq=None, problem=None))
+            return self._undamaged(snapshot, self._retry(snapshot, lambda: self._verify(snapshot, advance)))
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                snapshot.close()
+
+    def _undamaged(self, snapshot: sqlite3.Connection, report: VerifyReport) -> VerifyReport:
+        """``report``, for a journal marked damaged checked whole by SQLite too: the mark is taken
+        away (writes are taken again) only when its pages, indexes included, are sound."""
+        if not report.ok or (self._damaged is None and damage.marked(self._mark) is None):
+            return report
+        found = self._retry(snapshot, lambda: snapshot.execute("PRAGMA quick_check").fetchall())
+        if found != [("ok",)]:
+            return VerifyReport(ok=False, events=report.events, head=report.head, first_bad_seq=None,
+                                problem=f"SQLite finds the file damaged: {found[0][0]}")
+        damage.clear(self._file)
+        self._damaged = None
+        return report
+
+    def _verified_in_parts(self, head: int, parts: int, advance: Callable[[int], None] | None = None) -> bool:
+        """True when every part of the events up to ``head`` checks out (part 0 in this process)."""
+        children = [sqlite_verify.start_part(self._file, part, parts, head) for part in range(1, parts)]
+        try:
+            started = time.monotonic()
+            if None in children or not sqlite_verify.check_part(self._file, 0, parts, head):
+                return False
+            if advance is not None:
+                advance(head // parts)
+            # The parts are of one size: a child far slower than this process's part is stuck.
+            patience = sqlite_verify.PATIENCE + 3 * (time.monotonic() - started)
+            for child in children:
+                if child is None or sqlite_verify.child_said_ok(child, patience) is not True:
+                    return False
+                if advance is not None:
+                    advance(head // parts)
+            return True
+        finally:
+            for child in children:
+                if child is not None and child.poll() is None:
+                    child.kill()
+                    child.wait()
+
+    def _verify(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
+        conn.execute("BEGIN")  # one read transaction: a snapshot that concurrent writers do not move
+        try:
+            return self._verified_log(conn, advance)
+        finally:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+
+    def _verified_log(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
+        """The report of :meth:`verify`, in one pass over what ``conn`` sees (in a transaction of
+        the caller's: a read snapshot, or a write not yet committed)."""
+        # The log goes on from the last archive's head, folded onto the projection as of that head.
+        base = archive.sqlite_archived_head(conn)
+        return verifying.verify_rows(
+            conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
+            lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
+            start=base, archived=archive.SQLiteSnapshot(conn) if base[0] else None, advance=advance,
+        )
+
+    def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
+        """Rebuild the projection from the log through the fold, in one transaction; returns the
+        number of calls. ``advance`` is told of each stretch of events folded."""
+
+        def step(conn: sqlite3.Connection) -> int:
+            rows = refold(archive.sqlite_snapshot(conn),
+                          conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"), self._decoded, advance)
+            conn.execute("DELETE FROM calls")
+            conn.executemany(_UPSERT_CALL, rows)
+            return len(rows)
+
+        return self._write(_FULL if self.durability == "full" else _NORMAL, step)
+
+    def import_events(self, events: Iterable[JournalEvent],
+                      check: Callable[[VerifyReport], None] | None = None) -> int:
+        """See :meth:`journal.protocol.EventImporter.import_events` (used by :mod:`journal.copy`)."""
+        folded: dict[str, CallRecord] = {}
+
+        def folding() -> Iterator[tuple[Any, ...]]:
+            for event in events:
+                fold_into(folded, event)
+                yield event_row(event)
+
+        def step(conn: sqlite3.Connection) -> int:
+            if conn.execute("SELECT EXISTS (SELECT 1 FROM events)").fetchone()[0]:
+                raise JournalError(f"the destination {self.path} is not empty; copy only into a new journal")
+            conn.executemany(_INSERT_EVENT, folding())
+            conn.execute("DELETE FROM calls")
+            conn.executemany(_UPSERT_CALL, (call_row(r) for r in folded.values()))
+            calls = len(folded)
+            folded.clear()  # the check folds the log again: one fold in memory at a time
+            if check is not None:
+                check(self._verified_log(conn))  # raises to refuse the copy: the transaction is undone
+            return calls
+
+        return self._write(_FULL, step)

@@ -1,0 +1,437 @@
+"""The SQLite journal's connection: opening the file, transactions and their retries.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast
+
+from .. import damage, schema
+from ..errors import (
+    DiskFull,
+    JournalDamaged,
+    JournalError,
+    JournalNotFound,
+    NewerSchema,
+    NotAJournal,
+    StoreBusy,
+)
+from .forks import _FORKS, _INHERITED
+
+T = TypeVar("T")
+Durability = Literal["full", "process"]
+
+_FULL, _NORMAL = "FULL", "NORMAL"
+
+_BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+_CHECKPOINT_PAGES = 4000
+
+_WAL_KEEP = 16 * 1024 * 1024
+
+def _held(lock: threading.RLock) -> int:
+    """How many times the calling thread holds ``lock`` (0: not at all)."""
+    count: int = cast(Any, lock)._recursion_count()
+    return count
+
+def _settle(conn: sqlite3.Connection) -> None:
+    """End a transaction that an interrupt (KeyboardInterrupt, an exception from a signal handler)
+    left open on ``conn``, holding the file's write lock, before the connection is used again."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+
+def _busy(e: sqlite3.Error) -> bool:
+    return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
+
+# Python's sqlite3 reading a stored text that is not UTF-8 (bytes of the file overwritten); the
+# message goes on with the damaged bytes, and is cut short when the column is an expression.
+_UNDECODABLE = "Could not decode to UTF-8 column '"
+
+_COLUMN = re.compile(r"Could not decode to UTF-8 column '(\w+)' with text")
+
+def _failure(path: object, e: sqlite3.Error) -> str:
+    """The message of a failure of the journal at ``path``: SQLite's own, except for a stored text
+    that cannot be decoded, whose message would quote the damaged bytes."""
+    if _UNDECODABLE not in str(e):
+        return f"The journal {path} failed: {e}."
+    column = _COLUMN.search(str(e))
+    where = f"the column {column.group(1)!r}" if column else "a column of its events or calls"
+    return (f"The journal {path} holds a text that is not UTF-8 in {where}: the file is damaged; "
+            "restore it from a copy, or read what is left with a tool that takes bytes.")
+
+
+class Connection:
+    """The journal's file and its one connection: opening (checked before anything is written),
+    transactions retried within the busy deadline, and a file found damaged."""
+
+    # What every part reads and writes on the one object (set in SQLiteJournal.__init__).
+    path: Path
+    durability: Durability
+    busy_timeout: float
+    readonly: bool
+    _file: Path
+    _wal_path: str
+    _mark: str
+    _create: bool
+    _lock: threading.RLock
+    _requests: collections.deque[Any]
+    _sync: str | None
+    _owner: tuple[object, str | None]
+    _arguments: tuple[str | None, str | None]
+    _closed: bool
+    _taken: int
+    _damaged: str | None
+    _archive: tuple[int, int, int, bool] | None
+    _tidy: int | None
+    _first_open: bool
+    _txn: int
+    _committing: int
+    _committed: int
+    _counted: int
+    _written: int
+    _conns: int
+    _conn: sqlite3.Connection | None
+    _stale: bool
+    _forks: int
+
+    def _open(self) -> sqlite3.Connection:
+        return self._open_readonly() if self.readonly else self._open_writable()
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        """A connection that reads the journal as it is, changing nothing (see ``schema.reader_uri``)."""
+        path, file = self.path, self._file
+        if not file.exists():
+            raise self._not_found()
+        kind = self._check(self._inspect(), blank_ok=False)
+        if kind.version < schema.READABLE_FROM:
+            raise JournalError(
+                f"The journal {path} has schema version {kind.version} and needs migrating to "
+                f"{schema.LATEST}; open it once for writing."
+            )
+        uri = schema.reader_uri(file)
+        # Read as an archive (immutable): the file as it is now, which a writer must not change.
+        self._archive = schema.signature(file) if uri.endswith("immutable=1") else None
+        if self._archive is None:
+            self._check_room()
+        if self._first_open:  # whether reading makes the side files (see close)
+            sides = any(os.path.lexists(f"{file}{side}") for side in ("-wal", "-shm"))
+            self._tidy = None if sides or self._archive is not None else os.stat(file).st_ino
+        conn = self._connect(uri, uri=True)
+        self._sync = _NORMAL
+        return conn
+
+    def _open_writable(self) -> sqlite3.Connection:
+        """A connection to the journal, made (mode 0600) or migrated first where allowed."""
+        path, file = self.path, self._file
+        if not file.exists():
+            if not self._create:
+                raise self._not_found()
+            self._check_room()
+            try:
+                os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except FileExistsError:
+                # Another process made it first, and it is inspected like any existing file; or the
+                # name is a link that leads to no file, which no journal can be made behind.
+                if not file.exists():
+                    raise self._not_found() from None
+            except OSError as e:
+                raise JournalError(f"Cannot create the journal {path}: {e.strerror}.") from e
+        if not os.access(file, os.R_OK | os.W_OK):
+            raise JournalError(f"Cannot write the journal {path}: permission denied; open it with readonly=True "
+                               "to read it.")
+        # Inspect through a read-only connection first, so a foreign file is never written to.
+        kind = self._check(self._inspect(), blank_ok=self._create)
+        self._check_room()
+        conn = self._connect(str(file))
+        try:
+            if kind.kind == "blank":
+                # Before the WAL makes the file's header: the pages an archive frees can then be given
+                # back in small steps (PRAGMA incremental_vacuum); an older file needs a VACUUM for it.
+                self._retry(conn, lambda: conn.execute("PRAGMA auto_vacuum = INCREMENTAL"))
+            self._retry(conn, lambda: conn.execute("PRAGMA journal_mode = WAL"))
+            # A guarded call dirties about ten pages; checkpointing (two fsyncs) every 1000 pages, as
+            # SQLite does by default, would cost more than the call's own fsync. The WAL is cut back
+            # to _WAL_KEEP bytes after each checkpoint.
+            self._retry(conn, lambda: conn.execute(f"PRAGMA wal_autocheckpoint = {_CHECKPOINT_PAGES}"))
+            self._retry(conn, lambda: conn.execute(f"PRAGMA journal_size_limit = {_WAL_KEEP}"))
+            self._sync = None
+            if kind.kind != "journal" or kind.version < schema.LATEST:
+                # Made or migrated under the write lock; a journal already at the latest version
+                # needs no write to open (nor the lock, which another process may be holding).
+                self._transaction(conn, _NORMAL, self._initialise)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _not_found(self) -> JournalError:
+        if os.path.islink(self.path):  # there is a name, but it leads to no file
+            return JournalError(f"The journal {self.path} is a symbolic link that leads to no file "
+                                "(its target is gone, or the links go round in a loop).")
+        return JournalNotFound(f"There is no journal at {self.path}.")
+
+    def _check_room(self) -> None:
+        """Refuse to open on a full disk before SQLite makes its -wal and -shm files beside the
+        journal: made on a disk without room, they are left there, empty and cut short."""
+        if not os.path.exists(f"{self._file}-shm") and schema.no_room(self._file):
+            raise self._disk_full()
+
+    def _disk_full(self) -> DiskFull:
+        return DiskFull(f"The disk holding the journal {self.path} is full: free some space and try again "
+                        "(nothing was changed).")
+
+    def _inspect(self) -> schema.FileKind:
+        try:
+            return schema.inspect(self._file, self.busy_timeout)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise self._disk_full() from e
+            raise JournalError(f"Cannot read the journal {self.path}: {e.strerror}.") from e
+        except sqlite3.Error as e:
+            raise StoreBusy(
+                f"The journal {self.path} stayed locked by another process for {self.busy_timeout:g} s."
+            ) from e
+
+    def _check(self, kind: schema.FileKind, blank_ok: bool) -> schema.FileKind:
+        if kind.kind == "foreign":
+            raise NotAJournal(f"The file {self.path} {kind.why}, not an airlock journal; it was left unchanged.")
+        if kind.kind == "blank" and not blank_ok:
+            raise NotAJournal(f"The file {self.path} is an empty database, not an airlock journal.")
+        if kind.version > schema.LATEST:
+            raise NewerSchema(
+                f"The journal {self.path} has schema version {kind.version}, newer than this version of "
+                f"airlock-journal understands ({schema.LATEST}); it was left unchanged."
+            )
+        return kind
+
+    def _initialise(self, conn: sqlite3.Connection) -> None:
+        # Checked again under the write lock: another process may have made or changed it meanwhile.
+        kind = self._check(schema.read_kind(conn), blank_ok=self._create)
+        if kind.kind == "blank" or kind.version < schema.LATEST:
+            schema.migrate(conn, kind.version)
+
+    def _connect(self, target: str, uri: bool = False) -> sqlite3.Connection:
+        try:
+            with schema.OPENING:
+                conn = sqlite3.connect(
+                    target, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False, uri=uri
+                )
+        except sqlite3.Error as e:
+            raise JournalError(f"Cannot open the journal {self.path}: {e}.") from e
+        return conn
+
+    # -- transactions --------------------------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._closed:
+            raise JournalError(f"The journal {self.path} is closed.")
+        if _FORKS[0] != self._forks:  # first use in a forked child
+            if self._conn is not None:  # not let go of before the fork (its lock stayed busy)
+                _INHERITED.append(self._conn)
+                self._conn = None
+            self._forks = _FORKS[0]
+        conn = self._conn
+        if conn is not None and (self._stale or (
+            self._archive is not None and schema.signature(self._file) != self._archive
+        )):
+            # Its WAL was taken away under it; or, opened as an archive, the file has been written
+            # since: open it again (the ordinary way, if it can be).
+            self._conn = None
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+            conn = None
+        if conn is None:
+            self._stale = False
+            self._sync = None
+            conn = self._conn = self._open()  # kept only once opened: a failure is tried again next time
+            self._conns += 1
+        return conn
+
+    def _let_go(self) -> None:
+        """Close this process's connection (between transactions); the next use opens a new one."""
+        conn = self._conn
+        if conn is not None and not self._closed and _FORKS[0] == self._forks:
+            self._conn = None
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+
+    def _retry(self, conn: sqlite3.Connection, step: Callable[[], T]) -> T:
+        """Run ``step`` until it is not refused by a lock, within the busy deadline."""
+        deadline = time.monotonic() + self.busy_timeout
+        waited = False
+        try:
+            while True:
+                try:
+                    return step()
+                except sqlite3.Error as e:
+                    waited = self._wait(conn, e, deadline)
+        finally:
+            if waited:
+                self._restore_busy_timeout(conn)
+
+    def _restore_busy_timeout(self, conn: sqlite3.Connection) -> None:
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        except sqlite3.Error as e:
+            raise JournalError(f"The journal {self.path} failed: {e}.") from e
+
+    def _wait(self, conn: sqlite3.Connection, e: sqlite3.Error, deadline: float) -> bool:
+        """After ``e``: raise it as a JournalError, or StoreBusy past the deadline, or wait a little
+        and return True (the connection's busy timeout is then shortened to what is left)."""
+        if not _busy(e):
+            if self.readonly and "malformed" in str(e) and schema.reader_uri(self._file).endswith("immutable=1"):
+                raise JournalError(
+                    f"The journal {self.path} changed while it was read as a read-only archive (nothing can "
+                    f"be locked in its directory, so a writer is not seen): read it again ({e})."
+                ) from e
+            if schema.full_disk_error(self._file, e):
+                raise self._disk_full() from e
+            if damage.damaged(e):
+                raise self._found_damaged(e) from e
+            raise JournalError(_failure(self.path, e)) from e
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise StoreBusy(
+                f"The journal {self.path} stayed locked by another writer for {self.busy_timeout:g} s."
+            ) from e
+        # SQLite's own wait can be cut short (a WAL being recovered): wait only what is left.
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {max(1, int(remaining * 1000))}")
+        except sqlite3.Error as shortening:
+            raise JournalError(f"The journal {self.path} failed: {shortening}.") from shortening
+        time.sleep(min(0.001, remaining))
+        return True
+
+    def _found_damaged(self, e: sqlite3.Error) -> JournalDamaged:
+        """Mark the file damaged, for this object and (with the mark beside it) every process."""
+        self._damaged = str(e)
+        damage.mark(self._file, str(e))
+        return self._damaged_error(str(e))
+
+    def _damaged_error(self, problem: str) -> JournalDamaged:
+        if _UNDECODABLE in problem:  # that message says the file is damaged, and what to do
+            return JournalDamaged(_failure(self.path, sqlite3.DatabaseError(problem)))
+        return JournalDamaged(f"The journal {self.path} is damaged ({problem}). It refuses writes until it is "
+                              "restored (see the runbook).")
+
+    def _refuse_if_damaged(self) -> None:
+        problem = self._damaged or damage.marked(self._mark)
+        if problem is not None:
+            raise self._damaged_error(problem)
+
+    def _transaction(
+        self, conn: sqlite3.Connection, sync: str, body: Callable[[sqlite3.Connection], T],
+        deadline: float | None = None,
+    ) -> T:
+        """Run ``body`` in one ``BEGIN IMMEDIATE`` transaction committed at ``sync``, retrying on locks
+        until ``deadline`` (default: the busy timeout from now).
+
+        Every sqlite3 error leaves as a :class:`JournalError`; a journal known to be damaged raises
+        :class:`JournalDamaged` and writes nothing.
+        """
+        if self.readonly:
+            raise JournalError(f"The journal {self.path} is open read-only.")
+        self._refuse_if_damaged()
+        now = time.monotonic()
+        waited = False
+        if deadline is None:
+            deadline = now + self.busy_timeout
+        elif deadline - now < self.busy_timeout - 0.01:
+            # Part of the wait is spent already (in this process's queue): SQLite waits only the rest,
+            # and at least one attempt is made.
+            waited = True
+            try:
+                conn.execute(f"PRAGMA busy_timeout = {max(0, int((deadline - now) * 1000))}")
+            except sqlite3.Error as e:
+                raise JournalError(f"The journal {self.path} failed: {e}.") from e
+        try:
+            while True:
+                try:
+                    _settle(conn)
+                    if self._sync != sync:
+                        self._sync = None  # unknown until the PRAGMA has run, should it be interrupted
+                        conn.execute(f"PRAGMA synchronous = {sync}")
+                        self._sync = sync
+                    self._txn += 1
+                    txn = self._txn
+                    try:
+                        conn.execute("BEGIN IMMEDIATE")
+                        result = body(conn)
+                        self._committing = txn
+                        conn.execute("COMMIT")
+                    except BaseException as e:
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
+                        elif self._committing == txn and not isinstance(e, sqlite3.Error):
+                            # COMMIT ran, and an interrupt came as it returned: it is made all the same.
+                            self._committed = txn
+                        raise
+                    self._committed = txn
+                    return result
+                except sqlite3.Error as e:
+                    waited = self._wait(conn, e, deadline)
+        finally:
+            if waited:
+                self._restore_busy_timeout(conn)
+
+    def _write(self, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
+        lock = self._lock
+        depth = _held(lock)
+        try:
+            if not lock.acquire(timeout=self.busy_timeout):
+                raise self._own_lock_busy()
+            return self._transaction(self._connection(), sync, body)
+        finally:
+            # Released by what this thread holds, not by whether acquire() returned: an interrupt can
+            # come as it returns, before anything else runs.
+            if _held(lock) > depth:
+                lock.release()
+
+    def _own_lock_busy(self) -> StoreBusy:
+        return StoreBusy(f"The journal {self.path} stayed busy with another thread's work for "
+                         f"{self.busy_timeout:g} s.")
+
+    def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            conn = self._connection()
+
+            def settled() -> T:
+                _settle(conn)
+                return body(conn)
+
+            return self._retry(conn, settled)
+
+    def _rows(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """The rows of one statement (see :class:`~journal.reading.LogReads`)."""
+        return self._read(lambda c: c.execute(sql, params).fetchall())
+
+    def _snapshot(self, doing: str, statements: Sequence[str]) -> list[list[tuple[Any, ...]]]:
+        """The rows of each of ``statements``, in one read transaction: the counts of one moment."""
+
+        def read(c: sqlite3.Connection) -> list[list[tuple[Any, ...]]]:
+            c.execute("BEGIN")
+            try:
+                return [c.execute(statement).fetchall() for statement in statements]
+            finally:
+                if c.in_transaction:
+                    c.execute("COMMIT")
+
+        return self._read(read)
+
+    def _decoded(self, decode: Callable[[Any], T], row: Any) -> T:
+        try:
+            return decode(row)
+        except (ValueError, TypeError) as e:
+            raise JournalError(f"A stored row of the journal {self.path} cannot be read ({e}); run verify.") from e
+
+    def _label(self) -> str:
+        return str(self.path)

@@ -1,0 +1,200 @@
+"""The SQLite journal's reads for operators, and its exports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import sqlite3
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from .. import archive, schema
+from ..chain import GENESIS
+from ..errors import (
+    JournalError,
+)
+from ..export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each
+from ..reading import LogReads, event_filter
+from .connection import _FULL, _NORMAL, Connection
+from .sql import _EVENT_COLUMNS, _SELECT_HEAD
+
+_BATCH = 1000
+
+_EXPORT_BYTES = 1 << 20  # about a megabyte of lines a batch
+
+def _fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any]) -> list[Any]:
+    return conn.execute(sql, params).fetchall()
+
+def _event_filter(
+    call_id: str | None, tool: str | None, agent_id: str | None, since: datetime | None,
+    until: datetime | None, after_seq: int,
+) -> tuple[str, list[Any]]:
+    clauses, params = event_filter("?", True, call_id, tool, agent_id, since, until)
+    return " AND ".join(["seq > ?", *clauses]), [after_seq, *params]  # params[0]: the keyset cursor of events()
+
+
+class Reads(Connection, LogReads):
+    """The operator's reads: calls, events, exports, counts and stats, and archiving."""
+
+    def export_lines(
+        self,
+        *,
+        redact: frozenset[str] = frozenset(),
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> Iterator[tuple[bytes, int]]:
+        """The JSON Lines export of the filtered events, in batches: (the lines, how many).
+
+        SQLite writes each line's JSON itself (``json()`` also checks every stored JSON text), so
+        only the two digests are computed here; the lines hold the same values as
+        :meth:`JournalEvent.export`. A stored text that is not JSON raises :class:`JournalError`
+        naming the event.
+        """
+        check_redact(redact)
+        where, params = _event_filter(call_id, tool, agent_id, since, until, 0)
+        shown = {name: "NULL" if name in redact else f"json({name})" for name in ("arguments", "value")}
+        redacted = orjson.dumps(sorted(redact)).decode()
+        # The two digests, computed here, close each line (as journal.export.jsonl_lines puts them).
+        sql = (
+            "SELECT seq, json_object('seq', seq, 'at', at, 'call_id', call_id, 'kind', kind, 'tool', tool, "
+            "'agent_id', agent_id, 'idempotency_key', idempotency_key, "
+            f"'arguments', {shown['arguments']}, 'value', {shown['value']}, 'error', json(error), "
+            "'reason', json(reason), 'actor', actor, 'attempt', attempt, 'owner', json(owner), "
+            f"'prev_hash', prev_hash, 'hash', hash, 'redacted', json('{redacted}')), arguments, value "
+            f"FROM events WHERE {where} AND seq <= ? ORDER BY seq"
+        )
+        sha256 = hashlib.sha256
+        parts: list[str] = []
+        size = count = 0
+        try:
+            for rows in self._snapshot_rows(sql, params, 100):
+                for _, line, arguments, value in rows:
+                    parts.append(line[:-1])
+                    parts.append(',"arguments_sha256":null' if arguments is None
+                                 else ',"arguments_sha256":"' + sha256(arguments.encode()).hexdigest() + '"')
+                    parts.append(',"value_sha256":null}\n' if value is None
+                                 else ',"value_sha256":"' + sha256(value.encode()).hexdigest() + '"}\n')
+                    size += len(line)
+                count += len(rows)
+                # Bounded by bytes, not events: an event may hold a megabyte of arguments.
+                if size >= _EXPORT_BYTES:
+                    yield one_line_each("".join(parts).encode()), count
+                    parts, size, count = [], 0, 0
+        except (sqlite3.Error, JournalError) as e:
+            cause = e.__cause__ if isinstance(e, JournalError) else e
+            if isinstance(cause, sqlite3.Error) and "JSON" in str(cause):
+                # json() refused a stored text: the row path names the event and the field.
+                for row in self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until):
+                    next(jsonl_lines([row], redact))
+            if isinstance(e, JournalError):
+                raise
+            raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
+        if count:
+            yield one_line_each("".join(parts).encode()), count
+
+    def _snapshot_rows(self, sql: str, params: Any, batch: int) -> Iterator[list[tuple[Any, ...]]]:
+        """The rows of ``sql`` (its first column ``seq``; ``params[0]`` the ``seq >`` cursor and its
+        last placeholder ``seq <=`` the head), ``batch`` at a time, on a connection of its own.
+
+        The head is read once; then each page, from the last ``seq`` read up to that head, is a read
+        of its own. The log is append-only with a gapless ``seq``, so the pages are one consistent
+        snapshot; and a reader that stalls between pages (an export into a pager left open) holds
+        no read transaction, which would keep SQLite from checkpointing and grow the WAL for as
+        long as it stalls. Writers never wait for it. Raises :class:`JournalError` (from the
+        sqlite3.Error).
+        """
+        with self._lock:
+            self._connection()
+        reader = self._connect(schema.reader_uri(self._file), uri=True)
+        try:
+            head = self._retry(reader, lambda: reader.execute(_SELECT_HEAD).fetchone())
+            if head is None:
+                return
+            paged, after, filters, top = f"{sql} LIMIT {int(batch)}", params[0], list(params[1:]), head[0]
+            while True:
+                rows = self._retry(reader, functools.partial(_fetch_all, reader, paged, (after, *filters, top)))
+                if rows:
+                    yield rows
+                if len(rows) < batch:
+                    return
+                after = rows[-1][0]
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                reader.close()
+
+    def export_csv(
+        self,
+        *,
+        redact: frozenset[str] = frozenset(),
+        call_id: str | None = None,
+        tool: str | None = None,
+        agent_id: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+    ) -> Iterator[tuple[bytes, int]]:
+        """The CSV export of the filtered events, its header first, in batches: (the lines, how many
+        events), byte for byte what :meth:`LogReads.export_csv` writes.
+
+        SQLite checks every stored JSON text (``json_valid``), on one snapshot read in pages. A stored
+        text that is not JSON raises :class:`JournalError` naming the event.
+        """
+        check_redact(redact)
+        where, params = _event_filter(call_id, tool, agent_id, since, until, 0)
+        checked = " AND ".join(f"({c} IS NULL OR json_valid({c}))" for c in ("arguments", "value", "error", "reason",
+                                                                             "owner"))
+        sql = f"SELECT {_EVENT_COLUMNS}, {checked} FROM events WHERE {where} AND seq <= ? ORDER BY seq"
+        header = csv_header()  # written with the first lines, so that an export that fails at once writes nothing
+        try:
+            for rows in self._snapshot_rows(sql, params, _BATCH):
+                chunk = "".join(csv_lines(rows, redact)).encode()
+                if header:
+                    chunk, header = header + chunk, b""
+                yield chunk, len(rows)
+        except sqlite3.Error as e:
+            raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
+        if header:
+            yield header, 0
+
+    def head(self) -> tuple[int, str]:
+        """The last event's seq and hash; ``(0, GENESIS)`` for an empty journal."""
+        row = self._read(lambda c: c.execute(_SELECT_HEAD).fetchone())
+        return (0, GENESIS) if row is None else (int(row[0]), str(row[1]))
+
+    # -- archiving (journal.archive) -----------------------------------------------------------
+
+    def archived_head(self) -> tuple[int, str]:
+        """The seq and hash of the last archived event, where the log now starts; ``(0, GENESIS)``
+        when nothing was archived."""
+        return self._read(archive.sqlite_archived_head)
+
+    def commit_archive(self, plan: archive.ArchivePlan, file: str, archived_at: str) -> int:
+        """Remove the events ``plan`` moves, once they are in the archive ``file``, in one write
+        transaction that also records the archive's head; returns how many were removed."""
+        return self._write(_FULL if self.durability == "full" else _NORMAL,
+                           lambda conn: archive.sqlite_commit(conn, plan, file, archived_at))
+
+    def reclaim_space(self, pages: int = 256) -> int:
+        """Give the file's free pages back to the file system, ``pages`` at a time, each step a
+        short write transaction of its own (guarded calls wait at most one step); returns the pages
+        given back. Only a journal made with ``auto_vacuum`` incremental can (every new one is); an
+        older file gives nothing back here, and needs a ``VACUUM`` (see docs/journal.md)."""
+        mode, free = self._read(lambda c: (c.execute("PRAGMA auto_vacuum").fetchone()[0],
+                                           c.execute("PRAGMA freelist_count").fetchone()[0]))
+        if mode != 2:
+            return 0
+        step = f"PRAGMA incremental_vacuum({max(1, int(pages))})"
+        left = free
+        while left:
+            left = self._write(_NORMAL, lambda c: (c.execute(step).fetchall(),
+                                                   c.execute("PRAGMA freelist_count").fetchone()[0])[1])
+        self._read(lambda c: c.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall())  # the file shrinks here
+        return int(free)
+

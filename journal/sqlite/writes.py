@@ -1,0 +1,281 @@
+"""The SQLite journal's writes: a call's events and its projection row, in one transaction.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+from guard.canonical import NotCanonical
+from guard.leases import OwnerState
+from guard.store import CallRecord, Decide, Decision, EffectEvent, apply
+
+from .. import archive
+from ..chain import GENESIS, compute_hash
+from ..errors import (
+    JournalError,
+    unstorable,
+)
+from ..events import JournalEvent, at_text, text_sha256
+from ..leasing import SWEEP_EVERY, owner_state, unclaimable
+from ..rebuilding import as_logged
+from ..resolving import Choose, Resolving, stored_event
+from ..rows import holds, json_text, record_from_row
+from .connection import _FULL, _NORMAL, T
+from .group_commit import GroupCommit
+from .sql import (
+    _DROP_LEASE,
+    _INSERT_EVENT,
+    _LATEST_LEASE,
+    _LEASES_OF,
+    _LOGGED_EVENTS,
+    _RENEW_LEASE,
+    _SELECT_CALL,
+    _SELECT_HEAD_AND_CALL,
+    _SELECT_RECENT,
+    _SWEEP_LEASES,
+    _TAKE_LEASE,
+    _UPSERT_CALL,
+)
+
+
+def _plain(obj: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return obj if obj is None or type(obj) is dict else dict(obj)
+
+def _head_and_record(conn: sqlite3.Connection, call_id: str | None,
+                     journal: str = "") -> tuple[tuple[int, str], CallRecord | None]:
+    """Inside a write transaction: the log's (seq, hash) head and the current record of ``call_id``.
+
+    The record is the projection's, except where the projection lets the call run (no row, or
+    ``released``) and the log has a state-changing event of it: then it is the fold of the call's
+    events, so that a row deleted or released by hand never lets a call run again (see
+    docs/journal.md, "What a writer with the file can hide")."""
+    row = conn.execute(_SELECT_HEAD_AND_CALL, (call_id,)).fetchone()
+    head = (0, GENESIS) if row[0] is None else (row[0], row[1])
+    record = None
+    if row[3] is not None:
+        try:
+            record = record_from_row(row[3:])
+        except (ValueError, TypeError) as e:
+            raise JournalError(f"The stored record of the call {call_id!r} cannot be read ({e}); run verify.") from e
+    if row[2] is not None and call_id is not None and (record is None or record.status == "released"):
+        kept: dict[str, CallRecord] = {}
+        archive.SQLiteSnapshot(conn).seed(kept, call_id)
+        record = as_logged(call_id, record, kept.get(call_id), conn.execute(_LOGGED_EVENTS, (call_id,)), _decoded,
+                           journal)
+    return head, record
+
+
+def _decoded(decode: Callable[[Any], T], row: Any) -> T:
+    try:
+        return decode(row)
+    except (ValueError, TypeError) as e:
+        raise JournalError(f"A stored row of the journal cannot be read ({e}); run verify.") from e
+
+
+def _call_row(record: CallRecord, known: dict[int, str | None] | None = None) -> tuple[Any, ...]:
+    """The projection row of ``record``; ``known`` maps id() of objects already turned into text
+    (the event's ``at``, ``error``, ``reason`` and ``owner``) to that text, so it is not redone."""
+    known = known or {}
+
+    def text(obj: Mapping[str, Any] | None) -> str | None:
+        return known[id(obj)] if id(obj) in known else json_text(obj)
+
+    def when(t: datetime) -> str:
+        done = known.get(id(t))
+        return done if done is not None else at_text(t)
+
+    return (
+        record.call_id, record.tool, record.status, record.attempt, record.agent_id, record.idempotency_key,
+        record.arguments, record.value, text(record.error), text(record.reason), record.actor,
+        text(record.owner), when(record.created_at), when(record.updated_at), when(record.since),
+        record.last_seq,
+    )
+
+
+class Writes(GroupCommit, Resolving):
+    """The :class:`~guard.store.EffectStore` protocol, leases, settling and resolving: every write of a
+    call's event, with the projection row it folds into, in one transaction."""
+
+    def begin(self, call_id: str, decide: Decide, lease: tuple[str, float] | None = None) -> Decision:
+        """Decide and record one attempt of ``call_id`` atomically (see :class:`~guard.store.EffectStore`).
+
+        At ``durability="full"``, when the decision records ``pending`` this returns only once an
+        fsync of the WAL that began after its commit has completed (one this thread makes, or one
+        another thread was making for it too), so the tool never runs before its ``pending`` is on disk.
+
+        Raises :class:`StoreBusy` past the busy deadline, :class:`JournalError` on any other failure
+        (an fsync that fails too: the guard then refuses the call, and a retry finds it ``pending``).
+        """
+
+        def step(conn: sqlite3.Connection) -> Decision:
+            head, record = _head_and_record(conn, call_id, str(self.path))
+            decision = decide(record)
+            if lease is not None and decision.event.kind == "pending":  # in the transaction of its pending
+                conn.execute(_TAKE_LEASE, (call_id, lease[0], time.time() + lease[1]))
+            self._append(conn, decision.event, record, head)
+            return decision
+
+        try:
+            decision, ticket = self._combined(step)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(str(self.path), e) from e
+        if self.durability == "full" and decision.event.kind == "pending":
+            self._wait_durable(ticket)
+        return decision
+
+    def append(self, event: EffectEvent, drop_lease: str | None = None) -> None:
+        """Record an outcome or a refusal outside ``begin``; it becomes durable with the next fsync.
+        ``drop_lease``: the holder whose lease on the call ends with this outcome."""
+
+        def step(conn: sqlite3.Connection) -> None:
+            head, record = _head_and_record(conn, event.call_id, str(self.path))
+            self._append(conn, event, record, head)
+            if drop_lease is not None:
+                conn.execute(_DROP_LEASE, (event.call_id, drop_lease))
+
+        try:
+            if event.kind == "pending" and self.durability == "full":
+                self._write(_FULL, step)
+            else:
+                self._combined(step)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(str(self.path), e) from e
+
+    def get(self, call_id: str) -> CallRecord | None:
+        """The current record of ``call_id``, or None."""
+        if not holds(call_id):
+            return None  # an id with no UTF-8 form (a lone surrogate) is never stored
+        row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
+        return None if row is None else self._decoded(record_from_row, row)
+
+    def call(self, call_id: str) -> CallRecord | None:
+        """The current record of ``call_id``, or None (the same as :meth:`get`)."""
+        return self.get(call_id)
+
+    def recent_call(self, agent_id: str | None, idempotency_key: str, since: datetime) -> CallRecord | None:
+        """The most recent call of ``agent_id`` with ``idempotency_key`` begun at or after ``since`` and
+        not released, or None (the lookup of ``EffectGuard(duplicate_window=...)``)."""
+        if not holds(idempotency_key) or (agent_id is not None and not holds(agent_id)):
+            return None
+        row = self._read(lambda c: c.execute(_SELECT_RECENT, (idempotency_key, at_text(since), agent_id)).fetchone())
+        return None if row is None else self._decoded(record_from_row, row)
+
+    # -- leases (see guard.leases); the store's clock is this host's, which its processes share -----
+
+    leases_in_begin = True  # begin takes a call's lease and append drops it, in their transactions
+
+    def take_lease(self, call_id: str, holder: str, seconds: float) -> None:
+        """Record ``holder``'s lease on ``call_id``, running out ``seconds`` from now."""
+        self._taken += 1
+        sweep = self._taken % SWEEP_EVERY == 0
+
+        def step(conn: sqlite3.Connection) -> None:
+            now = time.time()
+            conn.execute(_TAKE_LEASE, (call_id, holder, now + seconds))
+            if sweep:
+                conn.execute(_SWEEP_LEASES, (now,))
+
+        self._combined(step)
+
+    def renew_lease(self, call_id: str, holder: str, seconds: float) -> bool:
+        """Extend ``holder``'s lease; False when it has none on the call any more."""
+        return self._combined(
+            lambda conn: conn.execute(_RENEW_LEASE, (time.time() + seconds, call_id, holder)).rowcount > 0
+        )[0]
+
+    def drop_lease(self, call_id: str, holder: str) -> None:
+        """Forget ``holder``'s lease on ``call_id``."""
+        self._combined(lambda conn: conn.execute(_DROP_LEASE, (call_id, holder)))
+
+    def claim_lease(self, call_id: str, holder: str, seconds: float) -> bool:
+        """Take a lease on ``call_id`` only if no other holder has a live one and the call is not
+        pending with an owner alive by the host-and-pid test (one that never had a lease)."""
+
+        def step(conn: sqlite3.Connection) -> bool:
+            now = time.time()
+            others = [until for other, until in conn.execute(_LEASES_OF, (call_id,)) if other != holder]
+            if others and max(others) > now:
+                return False
+            if not others:
+                row = conn.execute(_SELECT_CALL, (call_id,)).fetchone()
+                record = None if row is None else record_from_row(row)
+                if unclaimable(record):
+                    return False
+            conn.execute(_TAKE_LEASE, (call_id, holder, now + seconds))
+            return True
+
+        return self._write(_NORMAL, step)
+
+    def _append_chosen(self, doing: str, call_id: str, choose: Choose) -> JournalEvent | None:
+        """See :class:`~journal.resolving.Resolving`: one write transaction, at the journal's durability."""
+
+        def step(conn: sqlite3.Connection) -> JournalEvent | None:
+            head, record = _head_and_record(conn, call_id, str(self.path))
+            event = choose(record, lambda: self._lease_alive(conn, record))
+            if event is None:
+                return None
+            return stored_event(event, *self._append(conn, event, record, head))
+
+        return self._write(_FULL if self.durability == "full" else _NORMAL, step)
+
+    def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]:
+        """Whether each pending record's owner is alive, and when its lease runs out."""
+
+        def read(conn: sqlite3.Connection) -> dict[str, OwnerState]:
+            now = time.time()
+            return {r.call_id: owner_state(r, self._latest_lease(conn, r.call_id), now) for r in records}
+
+        return self._read(read)
+
+    def _latest_lease(self, conn: sqlite3.Connection, call_id: str) -> float | None:
+        try:
+            row = conn.execute(_LATEST_LEASE, (call_id,)).fetchone()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):
+                return None  # a journal from before leases, read as it is
+            raise
+        return None if row is None or row[0] is None else float(row[0])
+
+    def _lease_alive(self, conn: sqlite3.Connection, record: CallRecord | None) -> bool | None:
+        """Whether a lease on the pending call has not run out; None when it has none."""
+        if record is None or record.status != "pending":
+            return None
+        latest = self._latest_lease(conn, record.call_id)
+        return None if latest is None else latest > time.time()
+
+    def _append(
+        self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None, head: tuple[int, str]
+    ) -> tuple[int, str, str]:
+        """Insert ``event`` after ``head`` and fold it into the projection; returns (seq, prev, hash)."""
+        seq, prev = head[0] + 1, head[1]
+        at = at_text(event.at)
+        error, reason, owner = _plain(event.error), _plain(event.reason), _plain(event.owner)
+        error_text, reason_text = json_text(error), json_text(reason)
+        if owner is not self._owner[0]:
+            self._owner = (owner, json_text(owner))  # the guard hands every event one owner object
+        owner_text = self._owner[1]
+        arguments, value = event.arguments, event.value
+        if arguments != self._arguments[0]:
+            self._arguments = (arguments, text_sha256(arguments))  # a call's events repeat its arguments
+        digest = compute_hash(prev, {
+            "seq": seq, "at": at, "call_id": event.call_id, "kind": event.kind, "tool": event.tool,
+            "agent_id": event.agent_id, "idempotency_key": event.idempotency_key,
+            "arguments_sha256": self._arguments[1], "value_sha256": text_sha256(value),
+            "error": error, "reason": reason, "actor": event.actor, "attempt": event.attempt, "owner": owner,
+        })
+        conn.execute(_INSERT_EVENT, (
+            seq, at, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
+            arguments, value, error_text, reason_text, event.actor, event.attempt, owner_text, prev, digest,
+        ))
+        folded = apply(record, event, seq)
+        if folded is not None and folded is not record:
+            conn.execute(_UPSERT_CALL, _call_row(folded, {
+                id(event.at): at, id(event.error): error_text, id(event.reason): reason_text,
+                id(event.owner): owner_text,
+            }))
+        return seq, prev, digest
+
