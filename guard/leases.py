@@ -47,9 +47,11 @@ class LeaseStore(Protocol):
     - ``take_lease``: record (or extend) ``holder``'s lease on the call for ``seconds``.
     - ``renew_lease``: extend it; False when the holder has no lease on the call any more.
     - ``drop_lease``: forget it.
-    - ``claim_lease``: take it only when no other holder has a live lease on the call and the
-      call is not pending with an owner alive by the host-and-pid test; True when taken. At most
-      one holder at a time gets a claim, across threads and processes.
+    - ``claim_lease``: take it only when no other holder has a live lease on the call and, for a
+      pending call that never had a lease, its owner is known to be gone (a process of this host
+      that no longer runs; an owner on another host cannot be seen, so such a call is not
+      claimed); True when taken. At most one holder at a time gets a claim, across threads and
+      processes.
     - ``settle``: in one atomic step, read the call's record, let the callback choose the event, and
       append it; returns the ``seq`` appended, or None when the callback chose
       none. What the callback raises is raised, and nothing is appended.
