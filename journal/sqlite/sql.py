@@ -17,6 +17,10 @@ _UPSERT_CALL = (
     + ", ".join(f"{c} = excluded.{c}" for c in _CALL_COLUMNS.split(", ")[1:])
 )
 
+# An outcome (or a later attempt's pending) of a call that has a row: only what apply can change,
+# so that the indexes on columns a call keeps (its key, when it was created) are left alone.
+_UPDATE_CALL = ("UPDATE calls SET status = ?, attempt = ?, agent_id = ?, value = ?, error = ?, reason = ?, actor = ?, "
+                "owner = ?, updated_at = ?, since = ?, last_seq = ? WHERE call_id = ?")
 _SELECT_CALL = f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?"
 
 _TAKE_LEASE = ("INSERT INTO leases (call_id, holder, expires_at) VALUES (?, ?, ?) "

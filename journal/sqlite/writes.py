@@ -38,6 +38,7 @@ from .sql import (
     _SELECT_RECENT,
     _SWEEP_LEASES,
     _TAKE_LEASE,
+    _UPDATE_CALL,
     _UPSERT_CALL,
 )
 
@@ -273,9 +274,15 @@ class Writes(GroupCommit, Resolving):
         ))
         folded = apply(record, event, seq)
         if folded is not None and folded is not record:
-            conn.execute(_UPSERT_CALL, _call_row(folded, {
+            row = _call_row(folded, {
                 id(event.at): at, id(event.error): error_text, id(event.reason): reason_text,
                 id(event.owner): owner_text,
-            }))
+            })
+            # A row there (the call's record was read from it): update what can change. No row (a
+            # new call, or a row removed by hand whose record the log gave): write it whole.
+            if record is None or not conn.execute(_UPDATE_CALL, (
+                row[2], row[3], row[4], row[7], row[8], row[9], row[10], row[11], row[13], row[14], row[15], row[0],
+            )).rowcount:
+                conn.execute(_UPSERT_CALL, row)
         return seq, prev, digest
 
