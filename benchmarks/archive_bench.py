@@ -1,6 +1,7 @@
 """What archiving costs: ``airlock journal archive`` of 90% of a journal, ``verify`` before and after,
-and archive plus journal verified as one chain; the file's size before and after, each command's
-peak memory, and how long a guarded call made meanwhile had to wait. Prints figures, asserts nothing.
+and archive plus journal verified as one chain; the file's size before and after (and what is left
+in it, table by table with its indexes), each command's peak memory, and how long a guarded call
+made meanwhile had to wait. Prints figures, asserts nothing.
 
     .venv/bin/python benchmarks/archive_bench.py                   # 1,000,000 events
     .venv/bin/python benchmarks/archive_bench.py --events 200000   # fewer, for a quick look
@@ -82,6 +83,25 @@ def size(path: Path) -> int:
         Path(f"{path}{side}").stat().st_size for side in ("-wal",) if Path(f"{path}{side}").exists())
 
 
+def left_in(path: Path) -> list[tuple[str, float]]:
+    """What the file holds, in MiB: the events, the projection and the archived projection, each
+    with its indexes, and the free pages."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        tables = dict(conn.execute("SELECT name, tbl_name FROM sqlite_schema WHERE type IN ('table', 'index')"))
+        sizes: dict[str, int] = {}
+        for name, pages in conn.execute("SELECT name, sum(pgsize) FROM dbstat GROUP BY name"):
+            table = tables.get(name, name)
+            sizes[table] = sizes.get(table, 0) + pages
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        free = conn.execute("PRAGMA freelist_count").fetchone()[0] * page
+    finally:
+        conn.close()
+    shown = [(name, sizes.get(name, 0) / 2**20) for name in ("events", "calls", "calls_archived")]
+    return [*shown, ("other", (sum(sizes.values()) - sum(sizes.get(n, 0) for n, _ in shown)) / 2**20),
+            ("free", free / 2**20)]
+
+
 def run(command: list[str]) -> tuple[float, float]:
     """Run ``command``; its wall seconds and peak resident memory in MiB."""
     started = time.monotonic()
@@ -160,6 +180,7 @@ def main() -> None:
         after = size(path)
         print(f"file: {before / 2**20:,.0f} MiB before, {after / 2**20:,.0f} MiB after "
               f"({after / before:.2f} of it); archive {archive.stat().st_size / 2**20:,.0f} MiB")
+        print(f"left in the file: {', '.join(f'{name} {mib:,.1f} MiB' for name, mib in left_in(path))}")
 
         took, rss = run([AIRLOCK, "journal", "verify", "--db", str(path)])
         print(f"verify (journal after):      {left / took:>10,.0f} events/s  {took:6.2f} s  peak {rss:5.0f} MiB  "

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 
 import click
 
-from journal import JournalError, open_journal
+from journal import JournalError, archive_run, open_journal
 from journal.archive import ArchivePlan, ArchiveStore, archive_lines, plan_archive
 from journal.events import at_text
 from journal.manifest import manifest_path
@@ -32,12 +32,13 @@ def archive(before: datetime, output: Path, key_file: Path | None, db: str) -> N
     """Move the events older than --before out of the journal into an archive file.
 
     The archive holds them as export writes them (verify --export checks it). It is written
-    whole and synced to disk before the journal lets go of its events, in one transaction that
-    records where the log now starts: a run stopped at any point leaves the journal whole, or
-    the journal from there on plus the complete archive. The journal's last event always stays.
-    Every call keeps its row, so a retry of an archived call is still replayed or refused. The
-    journal must verify first. Archives and the journal then verify as one chain:
-    verify --export A1 --export A2 --db J.
+    whole and synced to disk before the journal lets go of its events; each transaction that
+    removes some records where the log now starts (SQLite removes them a few thousand at a
+    time, so guarded calls go on meanwhile). A run stopped at any point leaves the journal
+    whole, or the journal from a later start plus the complete archive; the next run finishes
+    what a stopped one began. The journal's last event always stays. Every call keeps its row,
+    so a retry of an archived call is still replayed or refused. The journal must verify
+    first. Archives and the journal then verify as one chain: verify --export A1 --export A2 --db J.
 
     Example:
 
@@ -61,7 +62,16 @@ def archive(before: datetime, output: Path, key_file: Path | None, db: str) -> N
     with open_journal(db, create=False) as j:
         if not isinstance(j, ArchiveStore):
             raise click.ClickException(f"the journal {describe(db)} cannot be archived")
-        checked = j.verify()
+        stopped = archive_run.unfinished(j)
+        if stopped is not None:
+            rest, file = stopped
+            try:
+                done = archive_run.finish(j, rest, file)
+            except JournalError as e:
+                raise click.ClickException(f"{one_line(str(e))}; nothing was archived") from e
+            click.echo(f"Finished the archive to {file} that was stopped: let go of {done} more events "
+                       f"(seq {rest.base_seq + 1} to {rest.last_seq}).", err=True)
+        checked = archive_run.check(j)
         if not checked.ok:
             raise click.ClickException(f"the journal {describe(db)} does not verify (at seq {checked.first_bad_seq}: "
                                        f"{checked.problem}); nothing was archived")
@@ -70,27 +80,32 @@ def archive(before: datetime, output: Path, key_file: Path | None, db: str) -> N
             echo(f"Nothing to archive: no event before {at_text(before)} but the journal's last.")
             return
         target = Path(os.path.realpath(output))
-        _write_archive(j, plan, target, before, signer)
+        marks: list[tuple[int, str]] = []
+        _write_archive(j, plan, target, before, signer, marks)
         try:
-            removed = j.commit_archive(plan, str(target), at_text(datetime.now(UTC)))
+            removed, freed = archive_run.commit(j, plan, marks, str(target), at_text(datetime.now(UTC)))
         except JournalError as e:
-            if j.archived_head() != (plan.last_seq, plan.last_hash):  # else it committed as the connection broke
+            start = j.archived_head()
+            if start == (plan.base_seq, plan.base_hash):
                 raise click.ClickException(f"{one_line(str(e))}; nothing was archived, and {output} (written "
                                            "before) holds no event the journal needs: remove it") from e
-            removed = plan.events
-        freed = j.reclaim_space() if hasattr(j, "reclaim_space") else 0
+            raise click.ClickException(f"{one_line(str(e))}; the journal let go of the events up to seq {start[0]} "
+                                       f"only: keep {output}, and archive again to finish") from e
+        freed += j.reclaim_space() if hasattr(j, "reclaim_space") else 0
     echo(f"Archived {removed} events (seq {plan.base_seq + 1} to {plan.last_seq}, head {plan.last_hash}) to {output}.")
     if freed:
         click.echo(f"Gave {freed} free pages back to the file system.", err=True)
 
 
 def _write_archive(j: ArchiveStore, plan: ArchivePlan, target: Path, before: datetime,
-                   signer: SigningKey | None) -> None:
+                   signer: SigningKey | None, marks: list[tuple[int, str]]) -> None:
     """Write the archive (and its signed manifest) to ``target`` whole, and sync both and their
-    directory to disk: only then may the journal let go of the events."""
+    directory to disk: only then may the journal let go of the events. ``marks`` gets where the
+    steps that let go of them end."""
 
     def write(out: BinaryIO) -> int:
-        for chunk in archive_lines(j, plan):
+        marks.clear()
+        for chunk in archive_lines(j, plan, marks, archive_run.STEP):
             write_all(out, chunk)
         return plan.events
 

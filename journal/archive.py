@@ -3,15 +3,25 @@
 An archive takes a prefix of the log: the events from where the log starts now up to the last one
 before a given time (by ``at``), never the log's last event, which stays so that the chain goes on
 from it. Its lines are exactly those of ``export``. Once the archive file is complete and on disk,
-one transaction of the store removes those events and records the archive's head (the ``seq`` and
-``hash`` of its last event, and how many it holds); the same transaction keeps the projection as of
-that head in a table of its own (``calls_archived``). So the journal verifies alone from the
-archive's head on, ``rebuild`` folds the rest of the log onto that projection, and every call keeps
-its projection row: a retry of an archived call is still replayed or refused, never run again.
+the store removes those events and records where the log now starts (the ``seq`` and ``hash`` of
+the last event removed) in the same transaction, and keeps the projection as of that point: so
+the journal verifies alone from there on, ``rebuild`` folds the rest of the log onto that
+projection, and every call keeps its projection row: a retry of an archived call is still
+replayed or refused, never run again.
 
-Both stores run the transaction here (:func:`sqlite_commit`, :func:`postgres_commit`); the fold of
-the calls whose projection moved past the head is the guard's own ``apply`` (:func:`fold_onto`).
+SQLite removes the events in short steps (:func:`archive_steps`), each a transaction that
+moves the start of the log on by a few thousand events, so that a guarded call waits for one step
+at most; each step leaves a journal that verifies, and the archive's file holds every event of it
+from the first step on. A run stopped between steps is finished by the next (see
+:mod:`journal.archive_run`). The projection as of the start is kept copy-on-write
+(:mod:`journal.archive_schema`): ``calls_archived`` holds the row of a call only once its row in
+``calls`` moved past the start; every other call's row is its own. PostgreSQL removes the events
+in one transaction and keeps a copy of every archived call's row.
+
+The fold of the calls whose projection moved past the start is the guard's own ``apply``
+(:func:`fold_onto`).
 """
+
 
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ import orjson
 from guard.store import CallRecord
 
 from . import schema
+from .archive_schema import record_of
 from .chain import GENESIS
 from .errors import JournalError
 from .events import JournalEvent, VerifyReport
@@ -36,8 +47,9 @@ from .rows import CALL_COLUMNS, EVENT_COLUMNS
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["ArchivePlan", "ArchiveStore", "Archiving", "SQLiteSnapshot", "archive_lines", "fold_onto", "plan_archive",
-           "postgres_commit", "sqlite_commit"]
+__all__ = ["ArchivePlan", "ArchiveStore", "Archiving", "SQLiteSnapshot", "archive_lines", "archive_steps", "fold_onto",
+           "plan_archive", "postgres_archived_head", "postgres_commit", "postgres_snapshot", "sqlite_archived_head",
+           "sqlite_commit", "sqlite_snapshot", "sqlite_unfinished"]
 
 _EVENTS = ", ".join(EVENT_COLUMNS)
 _CHUNK = 1 << 20  # about a megabyte of lines a write
@@ -80,10 +92,25 @@ class ArchivePlan:
     base_hash: str
     last_seq: int
     last_hash: str
+    # A step of an archive removed in steps: the archive it is part of (None: the plan is whole).
+    whole: ArchivePlan | None = None
 
     @property
     def events(self) -> int:
         return self.last_seq - self.base_seq
+
+    @property
+    def archive(self) -> ArchivePlan:
+        """The whole archive this plan is (a step of)."""
+        return self.whole if self.whole is not None else self
+
+    def step(self, base_seq: int, base_hash: str, last_seq: int, last_hash: str) -> ArchivePlan:
+        """The step of this archive that moves the events ``base_seq`` < seq <= ``last_seq``."""
+        whole = self.archive
+        if not whole.base_seq <= base_seq < last_seq <= whole.last_seq:
+            raise ValueError(f"seq {base_seq + 1} to {last_seq} is not a step of the archive of seq "
+                             f"{whole.base_seq + 1} to {whole.last_seq}")
+        return ArchivePlan(base_seq, base_hash, last_seq, last_hash, whole)
 
 
 def plan_archive(journal: Archiving, before: datetime) -> ArchivePlan | None:
@@ -105,11 +132,14 @@ def plan_archive(journal: Archiving, before: datetime) -> ArchivePlan | None:
     return ArchivePlan(base_seq, base_hash, last_seq, last.hash)
 
 
-def archive_lines(journal: Archiving, plan: ArchivePlan) -> Iterator[bytes]:
+def archive_lines(journal: Archiving, plan: ArchivePlan, marks: list[tuple[int, str]] | None = None,
+                  every: int = 0) -> Iterator[bytes]:
     """The export lines of the events ``plan`` moves, in chunks of about a megabyte.
 
     Each event must follow the one before (its ``seq`` and ``prev_hash``) from the plan's base to
     its last event: raises :class:`JournalError` otherwise, before the archive could be taken for whole.
+    With ``marks`` and ``every``, the ``seq`` and ``hash`` of every ``every``-th event are added to
+    ``marks`` on the way (where :func:`archive_steps` cuts the archive's removal).
     """
     expected, prev = plan.base_seq + 1, plan.base_hash
 
@@ -121,6 +151,8 @@ def archive_lines(journal: Archiving, plan: ArchivePlan) -> Iterator[bytes]:
             if row[0] != expected or row[14] != prev:
                 raise JournalError(f"event seq {row[0]} does not follow seq {expected - 1} in the log; run verify")
             expected, prev = expected + 1, row[15]
+            if marks is not None and every and (row[0] - plan.base_seq) % every == 0:
+                marks.append((row[0], row[15]))
             yield row
 
     chunk: list[bytes] = []
@@ -135,6 +167,18 @@ def archive_lines(journal: Archiving, plan: ArchivePlan) -> Iterator[bytes]:
         yield b"".join(chunk)
     if expected != plan.last_seq + 1 or prev != plan.last_hash:
         raise JournalError(f"the log ends the archive at seq {expected - 1}, not at seq {plan.last_seq}; run verify")
+
+
+def archive_steps(plan: ArchivePlan, marks: Iterable[tuple[int, str]]) -> list[ArchivePlan]:
+    """The steps that remove the events of ``plan`` one stretch at a time: each ends at one of
+    ``marks`` (the ``seq`` and ``hash`` of events of the plan, in order), the last at the plan's end."""
+    steps: list[ArchivePlan] = []
+    seq, digest = plan.base_seq, plan.base_hash
+    for last_seq, last_hash in [*marks, (plan.last_seq, plan.last_hash)]:
+        if seq < last_seq <= plan.last_seq:
+            steps.append(plan.step(seq, digest, last_seq, last_hash))
+            seq, digest = last_seq, last_hash
+    return steps
 
 
 def fold_onto(snapshot: Iterable[tuple[Any, ...]], events: Iterable[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
@@ -169,6 +213,194 @@ def _stored(row: tuple[Any, ...]) -> tuple[str, str]:
     return row[0], orjson.dumps(list(row[1:])).decode()
 
 
+_UPSERT = ("INSERT INTO calls_archived (call_id, record) VALUES (?, ?) "
+           "ON CONFLICT (call_id) DO UPDATE SET record = excluded.record")
+
+# -- SQLite: the projection as of the start of the log, copy-on-write (see journal.archive_schema) --
+
+_CURRENT = ", ".join(f"c.{c}" for c in CALL_COLUMNS)
+# The calls a step's events touch, with where their row is now.
+_TOUCHED = ("SELECT c.call_id, c.last_seq FROM calls c WHERE c.call_id IN "
+            "(SELECT DISTINCT call_id FROM events WHERE seq > ? AND seq <= ? AND call_id IS NOT NULL)")
+_STEP_EVENTS = f"SELECT {_EVENTS} FROM events WHERE seq > ? AND seq <= ? ORDER BY seq"
+_KEPT = "SELECT record FROM calls_archived WHERE call_id = ?"
+_LET_GO = "DELETE FROM calls_archived WHERE call_id = ?"
+# Copies equal to the call's row of today, the row not moved since the start: the row is the copy
+# (a rebuild, which rewrites every row, leaves one for every call).
+_TRIM = ("DELETE FROM calls_archived WHERE call_id IN (SELECT c.call_id FROM calls c JOIN calls_archived a "
+         f"ON a.call_id = c.call_id WHERE c.last_seq <= ? AND a.record = {record_of('c')})")
+
+
+def sqlite_archived_head(conn: sqlite3.Connection) -> tuple[int, str]:
+    """Where the log of a SQLite journal starts now: the seq and hash of the last event removed
+    (an archive stopped half-way included); ``(0, GENESIS)`` without one (or without the table, in
+    a journal of an older version read as it is)."""
+    try:
+        row = conn.execute("SELECT last_seq, last_hash FROM archives ORDER BY last_seq DESC LIMIT 1").fetchone()
+    except sqlite3.OperationalError as e:
+        if "no such table" in str(e):
+            return 0, GENESIS
+        raise
+    return (0, GENESIS) if row is None else (int(row[0]), str(row[1]))
+
+
+def sqlite_unfinished(conn: sqlite3.Connection) -> tuple[ArchivePlan, str] | None:
+    """The rest of an archive whose removal of events was stopped half-way (its file written whole
+    before it began), with that file; None when there is none (or the journal is of a version
+    before archives were removed in steps)."""
+    try:
+        row = conn.execute("SELECT last_seq, last_hash, upto_seq, upto_hash, file, events FROM archives "
+                           "ORDER BY last_seq DESC LIMIT 1").fetchone()
+    except sqlite3.OperationalError as e:
+        if "no such table" in str(e) or "no such column" in str(e):
+            return None
+        raise
+    if row is None or row[2] is None or row[2] <= row[0]:
+        return None
+    start = int(row[0]) - int(row[5])  # where the archive began: it has removed ``events`` so far
+    whole = ArchivePlan(start, "", int(row[2]), str(row[3]))
+    return ArchivePlan(int(row[0]), str(row[1]), int(row[2]), str(row[3]), whole), str(row[4])
+
+
+def sqlite_snapshot(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
+    """The projection as of the start of the log ([] when nothing was archived): the kept row of
+    each call that moved since, and the row of every other call that was there."""
+    start = sqlite_archived_head(conn)[0]
+    if start == 0:
+        return []
+    kept = [_row(*row) for row in conn.execute("SELECT call_id, record FROM calls_archived")]
+    return kept + conn.execute(
+        f"SELECT {_CURRENT} FROM calls c WHERE c.last_seq <= ? AND NOT EXISTS "
+        "(SELECT 1 FROM calls_archived a WHERE a.call_id = c.call_id)", (start,)).fetchall()
+
+
+class SQLiteSnapshot:
+    """The projection as of the start of the log, read as verify needs it: the row of each call
+    the rest of the log touches (:meth:`seed`, as its first event comes), then every other call
+    compared with its row in SQL order (:meth:`rows`); so only the calls the log touches are held.
+
+    A call's row as of the start is its kept copy in calls_archived, else its row in calls when
+    that row is from before the start (nothing moved it since), else none (a later call)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self._start = sqlite_archived_head(conn)[0]
+        self._seen: set[str] = set()
+
+    def seed(self, folded: dict[str, CallRecord], call_id: str | None) -> None:
+        """Put the archived record of ``call_id`` into ``folded`` before its first event is folded."""
+        if call_id is None or call_id in self._seen:
+            return
+        self._seen.add(call_id)
+        row = self._conn.execute(_KEPT, (call_id,)).fetchone()
+        if row is not None:
+            folded[call_id] = CallRecord(*_row(call_id, row[0]))
+            return
+        current = self._conn.execute(f"SELECT {_CURRENT} FROM calls c WHERE c.call_id = ? AND c.last_seq <= ?",
+                                     (call_id, self._start)).fetchone()
+        if current is not None:
+            folded[call_id] = CallRecord(*current)
+
+    def rows(self, folded: dict[str, CallRecord]) -> Iterator[tuple[Any, ...]]:
+        """The projection rows to compare with ``folded``: those of the calls the log touched, those
+        of the others that differ from their kept copy (whose record is put in ``folded``), and those
+        that moved past the start with no event left to move them; a kept call with no projection
+        row is put in ``folded`` too."""
+        width = len(CALL_COLUMNS)
+        for row in self._conn.execute(
+            f"SELECT {_CURRENT}, a.record FROM calls c LEFT JOIN calls_archived a ON a.call_id = c.call_id "
+            "ORDER BY c.call_id"
+        ):
+            current, record = row[:width], row[width]
+            if current[0] in self._seen:
+                yield current
+                continue
+            if record is None:
+                if not (isinstance(current[15], int) and current[15] <= self._start):
+                    yield current  # moved past the start by no event of the log
+                continue
+            archived = _row(current[0], record)
+            if current != archived:
+                folded[current[0]] = CallRecord(*archived)
+                yield current
+        gone = "NOT EXISTS (SELECT 1 FROM calls c WHERE c.call_id = a.call_id)"
+        for call_id, record in self._conn.execute(f"SELECT call_id, record FROM calls_archived a WHERE {gone}"):
+            folded.setdefault(call_id, CallRecord(*_row(call_id, record)))
+
+
+def sqlite_commit(conn: sqlite3.Connection, plan: ArchivePlan, file: str, archived_at: str) -> int:
+    """Inside the SQLite journal's write transaction: remove the events ``plan`` moves (a whole
+    archive, or one step of it), keep the projection as of its last event, and record where the
+    log now starts; returns how many events were removed.
+
+    The first step of an archive records it (its file, and how far the file goes); each later one
+    must follow the step before. The delete trigger is dropped, the events deleted and the trigger
+    made again, all in this transaction: no other writer ever sees the log without it. Raises
+    :class:`JournalError`, the transaction then undone, when the log is no longer the one planned from.
+    """
+    whole = plan.archive
+    base = sqlite_archived_head(conn)
+    if base != (plan.base_seq, plan.base_hash):
+        raise JournalError(f"another archive moved the start of the log to seq {base[0]} meanwhile; archive again")
+    head = conn.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
+    for seq, digest in {(plan.last_seq, plan.last_hash), (whole.last_seq, whole.last_hash)}:
+        found = conn.execute("SELECT hash FROM events WHERE seq = ?", (seq,)).fetchone()
+        if seq >= head or found is None or found[0] != digest:
+            raise JournalError(f"event seq {seq} is no longer the one archived; run verify")
+    first = plan.base_seq == whole.base_seq
+    if first:
+        stopped = sqlite_unfinished(conn)
+        if stopped is not None:
+            raise JournalError(f"the archive to {stopped[1]} was stopped before the journal let go of all its "
+                               "events; archive again to finish it first")
+        conn.execute(_TRIM, (plan.base_seq,))
+    else:
+        going = conn.execute("SELECT upto_seq, upto_hash, file FROM archives WHERE last_seq = ?",
+                             (plan.base_seq,)).fetchone()
+        if going is None or tuple(going) != (whole.last_seq, whole.last_hash, file):
+            raise JournalError(f"the log starts at seq {plan.base_seq + 1}, but no archive to {file} of seq "
+                               f"{whole.base_seq + 1} to {whole.last_seq} is under way there; archive again")
+    _keep_as_of(conn, plan.base_seq, plan.last_seq)
+    conn.execute("DROP TRIGGER events_no_delete")
+    removed = conn.execute("DELETE FROM events WHERE seq <= ?", (plan.last_seq,)).rowcount
+    conn.execute(schema.NO_DELETE_TRIGGER)
+    if removed != plan.events:
+        raise JournalError(f"the log held {removed} events up to seq {plan.last_seq}, not {plan.events}; run verify")
+    if first:
+        conn.execute("INSERT INTO archives (last_seq, last_hash, events, archived_at, file, upto_seq, upto_hash) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                     (plan.last_seq, plan.last_hash, removed, archived_at, file, whole.last_seq, whole.last_hash))
+    else:
+        conn.execute("UPDATE archives SET last_seq = ?, last_hash = ?, events = events + ? WHERE last_seq = ?",
+                     (plan.last_seq, plan.last_hash, removed, plan.base_seq))
+    return int(removed)
+
+
+def _keep_as_of(conn: sqlite3.Connection, base_seq: int, last_seq: int) -> None:
+    """Move the kept projection from seq ``base_seq`` to seq ``last_seq``, before the events
+    between are removed: a call those events touch whose row is now from ``last_seq`` or before
+    needs no copy any more; one whose row moved past it gets its row as of ``last_seq``, folded
+    from its copy (or from nothing: a call begun after ``base_seq``) and its events up to there."""
+    moved: list[str] = []
+    for call_id, row_seq in conn.execute(_TOUCHED, (base_seq, last_seq)).fetchall():
+        if row_seq > last_seq:
+            moved.append(call_id)
+        elif row_seq > base_seq:
+            conn.execute(_LET_GO, (call_id,))
+    if not moved:
+        return
+    kept = []
+    for call_id in moved:
+        found = conn.execute(_KEPT, (call_id,)).fetchone()
+        if found is not None:
+            kept.append(_row(call_id, found[0]))
+    wanted = set(moved)
+    events = (row for row in conn.execute(_STEP_EVENTS, (base_seq, last_seq)) if row[2] in wanted)
+    conn.executemany(_UPSERT, [_stored(row) for row in fold_onto(kept, list(events))])
+
+
+# -- PostgreSQL: a copy of every archived call's row --------------------------------------------------
+
 # The calls whose projection row is as it was at the archive's head (nothing moved it since): copied
 # as they are, the ones copied by an earlier archive left as they were.
 _COPY_SETTLED = ("INSERT INTO calls_archived (call_id, record) SELECT call_id, {record} FROM calls "
@@ -179,98 +411,6 @@ _MOVED_SNAPSHOT = ("SELECT call_id, record FROM calls_archived WHERE call_id IN 
                    "(SELECT call_id FROM calls WHERE last_seq > ?)")
 _MOVED_EVENTS = (f"SELECT {_EVENTS} FROM events WHERE seq > ? AND seq <= ? AND call_id IN "
                  "(SELECT call_id FROM calls WHERE last_seq > ?) ORDER BY seq")
-_UPSERT = ("INSERT INTO calls_archived (call_id, record) VALUES (?, ?) "
-           "ON CONFLICT (call_id) DO UPDATE SET record = excluded.record")
-
-
-def sqlite_archived_head(conn: sqlite3.Connection) -> tuple[int, str]:
-    """The last archive's head in a SQLite journal; ``(0, GENESIS)`` without one (or without the
-    table, in a journal of an older version read as it is)."""
-    try:
-        row = conn.execute("SELECT last_seq, last_hash FROM archives ORDER BY last_seq DESC LIMIT 1").fetchone()
-    except sqlite3.OperationalError as e:
-        if "no such table" in str(e):
-            return 0, GENESIS
-        raise
-    return (0, GENESIS) if row is None else (int(row[0]), str(row[1]))
-
-
-def sqlite_snapshot(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
-    """The stored projection as of the last archive's head ([] without one)."""
-    if sqlite_archived_head(conn)[0] == 0:
-        return []
-    return [_row(*row) for row in conn.execute("SELECT call_id, record FROM calls_archived")]
-
-
-class SQLiteSnapshot:
-    """The projection as of the last archive's head, read as verify needs it: the row of each call
-    the rest of the log touches (:meth:`seed`, as its first event comes), then every other call
-    compared with its row in SQL order (:meth:`rows`); so only the calls the log touches are held."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-        self._seen: set[str] = set()
-
-    def seed(self, folded: dict[str, CallRecord], call_id: str | None) -> None:
-        """Put the archived record of ``call_id`` into ``folded`` before its first event is folded."""
-        if call_id is None or call_id in self._seen:
-            return
-        self._seen.add(call_id)
-        row = self._conn.execute("SELECT record FROM calls_archived WHERE call_id = ?", (call_id,)).fetchone()
-        if row is not None:
-            folded[call_id] = CallRecord(*_row(call_id, row[0]))
-
-    def rows(self, folded: dict[str, CallRecord]) -> Iterator[tuple[Any, ...]]:
-        """The projection rows to compare with ``folded``: those of the calls the log touched, and
-        those of the others that differ from their archived row (whose record is put in
-        ``folded``); an archived call with no projection row is put in ``folded`` too."""
-        width = len(CALL_COLUMNS)
-        current_columns = ", ".join(f"c.{c}" for c in CALL_COLUMNS)
-        for row in self._conn.execute(
-            f"SELECT {current_columns}, a.record FROM calls c LEFT JOIN calls_archived a ON a.call_id = c.call_id "
-            "ORDER BY c.call_id"
-        ):
-            current, record = row[:width], row[width]
-            if current[0] in self._seen:
-                yield current
-                continue
-            archived = None if record is None else _row(current[0], record)
-            if current != archived:
-                if archived is not None:
-                    folded[current[0]] = CallRecord(*archived)
-                yield current
-        gone = "NOT EXISTS (SELECT 1 FROM calls c WHERE c.call_id = a.call_id)"
-        for call_id, record in self._conn.execute(f"SELECT call_id, record FROM calls_archived a WHERE {gone}"):
-            folded.setdefault(call_id, CallRecord(*_row(call_id, record)))
-
-
-def sqlite_commit(conn: sqlite3.Connection, plan: ArchivePlan, file: str, archived_at: str) -> int:
-    """Inside the SQLite journal's write transaction: remove the events ``plan`` moves, keep the
-    projection as of its head and record the head; returns how many events were removed.
-
-    The delete trigger is dropped, the events deleted and the trigger made again, all in this
-    transaction: no other writer ever sees the log without it. Raises :class:`JournalError`, the
-    transaction then undone, when the log is no longer the one planned from.
-    """
-    base = sqlite_archived_head(conn)
-    if base != (plan.base_seq, plan.base_hash):
-        raise JournalError(f"another archive moved the start of the log to seq {base[0]} meanwhile; archive again")
-    head = conn.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
-    found = conn.execute("SELECT hash FROM events WHERE seq = ?", (plan.last_seq,)).fetchone()
-    if plan.last_seq >= head or found is None or found[0] != plan.last_hash:
-        raise JournalError(f"event seq {plan.last_seq} is no longer the one archived; run verify")
-    conn.execute(_sql(_COPY_SETTLED, "?"), (plan.base_seq, plan.last_seq))
-    moved = fold_onto([_row(*row) for row in conn.execute(_MOVED_SNAPSHOT, (plan.last_seq,))],
-                      conn.execute(_MOVED_EVENTS, (plan.base_seq, plan.last_seq, plan.last_seq)).fetchall())
-    conn.executemany(_UPSERT, [_stored(row) for row in moved])
-    conn.execute("DROP TRIGGER events_no_delete")
-    removed = conn.execute("DELETE FROM events WHERE seq <= ?", (plan.last_seq,)).rowcount
-    conn.execute(schema.NO_DELETE_TRIGGER)
-    if removed != plan.events:
-        raise JournalError(f"the log held {removed} events up to seq {plan.last_seq}, not {plan.events}; run verify")
-    conn.execute("INSERT INTO archives (last_seq, last_hash, events, archived_at, file) VALUES (?, ?, ?, ?, ?)",
-                 (plan.last_seq, plan.last_hash, removed, archived_at, file))
-    return int(removed)
 
 
 def postgres_archived_head(conn: psycopg.Connection[tuple[Any, ...]]) -> tuple[int, str]:

@@ -18,6 +18,8 @@ from urllib.parse import quote
 
 import sqlite_utils
 
+from . import archive_schema
+
 __all__ = [
     "APPLICATION",
     "APPLICATION_ID",
@@ -175,7 +177,7 @@ def _v6_archives(conn: sqlite3.Connection) -> None:
 
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _create_v1, 2: _v2_no_replace, 3: _v3_updated_at_ascending, 4: _v4_leases, 5: _v5_calls_by_key,
-    6: _v6_archives,
+    6: _v6_archives, 7: archive_schema.sqlite_v7,
 }
 LATEST = max(MIGRATIONS)
 # The oldest version a read-only open can read as it is (versions 2 and 3 changed no table; a

@@ -1,0 +1,234 @@
+"""Running an archive on a journal: the check before it, the removal of its events in steps, and
+the finishing of one that was stopped half-way. What ``airlock journal archive`` calls.
+
+On SQLite the check reads the journal in bounded memory (the log in ``seq`` order for the chain,
+then the log, the projection and its kept copies side by side in call id order), and the events
+are removed :data:`STEP` at a time, each step a short transaction of its own. Another store is
+checked with its own ``verify`` and its events are removed in one transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from guard.store import CallRecord
+
+from . import archive, schema
+from .archive import ArchivePlan, ArchiveStore
+from .chain import ChainCheck, ahead_of_log
+from .errors import JournalError
+from .events import VerifyReport
+from .export import row_hash
+from .projection import fold_row, record_row
+from .rows import CALL_COLUMNS, EVENT_COLUMNS
+from .sqlite import SQLiteJournal
+
+__all__ = ["STEP", "check", "commit", "finish", "in_steps", "unfinished"]
+
+STEP = 5_000  # events a step removes: a guarded call waits for one step at most
+
+_EVENTS = ", ".join(EVENT_COLUMNS)
+_CALLS = ", ".join(CALL_COLUMNS)
+
+
+def in_steps(journal: ArchiveStore) -> bool:
+    """Whether ``journal`` removes archived events in steps (a SQLite journal)."""
+    return isinstance(journal, SQLiteJournal)
+
+
+def _reader(journal: ArchiveStore) -> sqlite3.Connection:
+    """A read-only connection of its own to a SQLite journal's file."""
+    assert isinstance(journal, SQLiteJournal)
+    path = Path(os.path.realpath(journal.path))
+    return sqlite3.connect(schema.reader_uri(path), uri=True, timeout=30.0)
+
+
+def unfinished(journal: ArchiveStore) -> tuple[ArchivePlan, str] | None:
+    """The rest of an archive of ``journal`` stopped before it let go of all its events, and its
+    file; None when there is none."""
+    if not in_steps(journal):
+        return None
+    conn = _reader(journal)
+    try:
+        return archive.sqlite_unfinished(conn)
+    finally:
+        conn.close()
+
+
+def finish(journal: ArchiveStore, rest: ArchivePlan, file: str) -> int:
+    """Let go of the events an archive stopped half-way had not yet removed (``rest``, from
+    :func:`unfinished`), in steps; returns how many. Raises :class:`JournalError`, changing
+    nothing, when its ``file`` no longer ends with the archive's last event: the events would
+    then be nowhere else."""
+    ends = _last_line(Path(file))
+    if ends is None or (ends.get("seq"), ends.get("hash")) != (rest.last_seq, rest.last_hash):
+        raise JournalError(f"the archive {file} was stopped before the journal let go of its events from seq "
+                           f"{rest.base_seq + 1} to {rest.last_seq}, and it no longer ends with seq {rest.last_seq}: "
+                           "put it back where it was written, then archive again")
+    marks = []
+    for row in journal.event_rows(after_seq=rest.base_seq):
+        if row[0] >= rest.last_seq:
+            break
+        if (row[0] - rest.base_seq) % STEP == 0:
+            marks.append((int(row[0]), str(row[15])))
+    return commit(journal, rest, marks, file, "")[0]
+
+
+def commit(journal: ArchiveStore, plan: ArchivePlan, marks: list[tuple[int, str]], file: str,
+           archived_at: str) -> tuple[int, int]:
+    """Remove the events of ``plan`` (written whole to ``file``) from ``journal``: in steps that
+    end at ``marks`` where the store removes in steps, else at once. Returns how many events were
+    removed, and how many free pages were given back to the file system on the way (each step's
+    pages right after it, where the store can).
+
+    Raises :class:`JournalError` when a step fails; the steps before it stay done (the journal
+    verifies, and the next archive finishes the rest)."""
+    stepped = in_steps(journal)
+    steps = archive.archive_steps(plan, marks) if stepped else [plan]
+    reclaim = getattr(journal, "reclaim_space", None) if stepped else None
+    removed, freed, took = 0, 0, 0.0
+    for n, step in enumerate(steps):
+        if n:
+            # Half as long again before the next step: a guarded call waiting for the write lock
+            # (polling as SQLite's busy handler does) finds it free, and goes first.
+            time.sleep(min(took / 2, 0.025))
+        started = time.monotonic()
+        try:
+            removed += journal.commit_archive(step, file, archived_at)
+        except JournalError:
+            if journal.archived_head() != (step.last_seq, step.last_hash):
+                raise
+            removed += step.events  # it committed as the connection broke
+        if reclaim is not None:
+            freed += int(reclaim())  # a few short transactions: the pause below covers them too
+        took = time.monotonic() - started
+    return removed, freed
+
+
+def _last_line(path: Path) -> dict[str, Any] | None:
+    """The last line of an export file as an object; None when it has none or cannot be read."""
+    try:
+        with path.open("rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            tail, at = b"", end
+            while at > 0 and tail.rstrip(b"\n").count(b"\n") == 0:
+                at = max(0, at - (1 << 16))
+                f.seek(at)
+                tail = f.read(end - at)
+    except OSError:
+        return None
+    lines = tail.rstrip(b"\n").split(b"\n")
+    try:
+        line = orjson.loads(lines[-1])
+    except orjson.JSONDecodeError:
+        return None
+    return line if isinstance(line, dict) else None
+
+
+# -- the check before an archive ------------------------------------------------------------------
+
+
+def check(journal: ArchiveStore) -> VerifyReport:
+    """What ``verify`` reports of ``journal``; on SQLite, read in bounded memory whatever its size."""
+    if not in_steps(journal):
+        return journal.verify()
+    conn = _reader(journal)
+    try:
+        conn.execute("BEGIN")  # one snapshot for both passes
+        return _checked(conn)
+    except sqlite3.Error as e:
+        raise JournalError(f"the journal could not be read to check it: {e}") from e
+    finally:
+        conn.close()
+
+
+def _checked(conn: sqlite3.Connection) -> VerifyReport:
+    start = archive.sqlite_archived_head(conn)
+    chain = ChainCheck(start=start)
+    for row in conn.execute(f"SELECT {_EVENTS} FROM events ORDER BY seq"):
+        try:
+            expected = row_hash(row)
+        except (ValueError, TypeError, AttributeError) as e:
+            chain.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
+            break
+        if not chain.feed(row[0], row[14], row[15], expected):
+            break
+    if not chain.ok:
+        return chain.report()
+    problem = _projection_problem(conn, start[0], chain.last_seq)
+    if problem is not None:
+        chain.fail(*problem)
+    return chain.report()
+
+
+def _by_call(rows: Iterator[tuple[Any, ...]]) -> Iterator[tuple[str, list[tuple[Any, ...]]]]:
+    """Rows in call id order, grouped by call id."""
+    call_id: Any = None
+    group: list[tuple[Any, ...]] = []
+    for row in rows:
+        if row[0] != call_id and group:
+            yield call_id, group
+            group = []
+        call_id = row[0]
+        group.append(row)
+    if group:
+        yield call_id, group
+
+
+def _projection_problem(conn: sqlite3.Connection, start: int, log_end: int) -> tuple[int | None, str] | None:
+    """The first problem of the projection against the log folded onto the kept projection as of
+    ``start``, all three read side by side in call id order (one call in memory at a time); the
+    same problems, in the same precedence, as :func:`journal.verifying.compare_projection`."""
+    # Sorted by SQLite's external sort, which spills to temporary files past its cache: reading
+    # them through the call_id index would fetch each event from a page of its own.
+    events = _by_call(iter(conn.execute(
+        f"SELECT call_id, {_EVENTS} FROM events NOT INDEXED WHERE call_id IS NOT NULL ORDER BY call_id, seq")))
+    calls = iter(conn.execute(f"SELECT {_CALLS} FROM calls ORDER BY call_id"))
+    kept: Iterator[tuple[Any, ...]] = iter(())
+    if start:
+        kept = iter(conn.execute("SELECT call_id, record FROM calls_archived ORDER BY call_id"))
+    nexts: dict[str, Any] = {"e": next(events, None), "c": next(calls, None), "k": next(kept, None)}
+    stale: tuple[int | None, str] | None = None
+    lacks: tuple[int, str] | None = None
+    while any(v is not None for v in nexts.values()):
+        call_id = min(v[0] for v in nexts.values() if v is not None)
+        group = nexts["e"][1] if nexts["e"] is not None and nexts["e"][0] == call_id else []
+        row = nexts["c"] if nexts["c"] is not None and nexts["c"][0] == call_id else None
+        record = nexts["k"][1] if nexts["k"] is not None and nexts["k"][0] == call_id else None
+        if group:
+            nexts["e"] = next(events, None)
+        if row is not None:
+            nexts["c"] = next(calls, None)
+        if record is not None:
+            nexts["k"] = next(kept, None)
+        settled = row is not None and isinstance(row[15], int) and row[15] <= start
+        if not group and record is None and (row is None or settled):
+            continue  # a call untouched since the start: its row is its own
+        folded: dict[str, CallRecord] = {}
+        if record is not None:
+            folded[call_id] = CallRecord(call_id, *orjson.loads(record))
+        elif settled and row is not None:
+            folded[call_id] = CallRecord(*row)
+        for event in group:
+            fold_row(folded, event[1:])
+        expected = folded.get(call_id)
+        if row is None:
+            if expected is not None and (lacks is None or expected.last_seq < lacks[0]):
+                lacks = expected.last_seq, f"the projection lacks call {call_id!r}; run rebuild"
+            continue
+        if expected is not None and record_row(expected) == tuple(row):
+            continue
+        ahead = ahead_of_log(str(call_id), row[15], row[3], expected, log_end)
+        if ahead is not None:
+            return row[15], ahead
+        if stale is None:
+            stale = (expected.last_seq if expected is not None else row[15],
+                     f"the projection of call {call_id!r} differs from the log; run rebuild")
+    return stale if stale is not None else lacks
