@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/damage_check.py                      # 1,000,000 events in a temporary file
     .venv/bin/python benchmarks/damage_check.py --events 200000
 
-A journal refuses writes once SQLite has found its file malformed (journal/damage.py): every write
+A journal refuses writes once SQLite has found its file malformed (journal/sqlite/damage.py): every write
 transaction first looks for the mark beside the file. Prints, on a journal of ``--events`` events
 (seeded as benchmarks/cli_bench.py does): opening it for writing; the look for the mark, against a
 guarded call's ``begin``; and SQLite's ``PRAGMA quick_check``, which reads every page, to show what
@@ -27,7 +27,7 @@ from cli_bench import seed
 
 from guard.store import Decision, EffectEvent, Verdict
 from journal import SQLiteJournal
-from journal.damage import mark_path, marked
+from journal.sqlite.damage import mark_path, marked
 
 
 def median_s(step: object, repeat: int) -> float:

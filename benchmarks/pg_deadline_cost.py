@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from guard.store import Decision, EffectEvent, Verdict
-from journal.pg_deadline import DeadlineConnection
 from journal.postgres import PostgresJournal
+from journal.postgres.deadline import DeadlineConnection
 from tests.pgserver import fresh_database, server
 
 

@@ -35,7 +35,6 @@ import orjson
 
 from guard.store import CallRecord
 
-from . import schema
 from .archive_schema import record_of
 from .chain import GENESIS
 from .errors import JournalError
@@ -43,6 +42,7 @@ from .events import JournalEvent, VerifyReport
 from .export import jsonl_lines
 from .projection import fold_row, record_row
 from .rows import CALL_COLUMNS, EVENT_COLUMNS
+from .sqlite import schema
 
 if TYPE_CHECKING:
     import psycopg

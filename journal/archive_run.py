@@ -20,7 +20,7 @@ import orjson
 
 from guard.store import CallRecord
 
-from . import archive, schema
+from . import archive
 from .archive import ArchivePlan, ArchiveStore
 from .chain import ChainCheck, ahead_of_log
 from .errors import JournalError
@@ -28,7 +28,7 @@ from .events import VerifyReport
 from .export import row_hash
 from .projection import fold_row, record_row
 from .rows import CALL_COLUMNS, EVENT_COLUMNS
-from .sqlite import SQLiteJournal
+from .sqlite import SQLiteJournal, schema
 
 __all__ = ["STEP", "check", "commit", "finish", "in_steps", "unfinished"]
 

@@ -23,11 +23,11 @@ import orjson
 
 from guard.store import CallRecord
 
-from . import schema
 from .chain import GENESIS
 from .export import row_hash
 from .projection import fold_row, record_row
 from .rows import CALL_COLUMNS, EVENT_COLUMNS
+from .sqlite import schema
 
 __all__ = ["PARALLEL_FROM", "PATIENCE", "check_part", "child_said_ok", "start_part"]
 

@@ -338,7 +338,7 @@ def _as_version_6(path: Path) -> None:
 
 
 def test_a_version_6_journal_with_archives_migrates_and_still_verifies(tmp_path: Path) -> None:
-    from journal.schema import LATEST
+    from journal.sqlite.schema import LATEST
 
     path = tmp_path / "journal.db"
     seed(path)

@@ -232,7 +232,7 @@ def test_a_refused_resolve_leaves_an_older_journal_as_it_was(tmp_path: Path, mon
     # Opening for writing migrates an older journal; a resolve that is refused must not get that far.
     import sqlite3
 
-    from journal import schema
+    from journal.sqlite import schema
 
     path = tmp_path / "old.db"
     monkeypatch.setattr(schema, "LATEST", schema.LATEST - 1)

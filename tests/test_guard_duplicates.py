@@ -265,7 +265,7 @@ def test_show_and_export_name_the_earlier_call(tmp_path: Path) -> None:
 def test_an_sqlite_journal_of_the_version_before_gets_the_index(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from journal import schema
+    from journal.sqlite import schema
 
     path = tmp_path / "j.db"
     latest, before_index = schema.LATEST, 4  # version 5 added the index
@@ -296,8 +296,8 @@ def test_an_sqlite_journal_of_the_version_before_gets_the_index(
 def test_a_postgres_journal_of_the_version_before_gets_the_index(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import psycopg
 
-    from journal import pg_schema
     from journal.postgres import PostgresJournal
+    from journal.postgres import schema as pg_schema
 
     latest, before_index = pg_schema.SCHEMA_VERSION, 2  # version 3 added the index
     monkeypatch.setattr(pg_schema, "SCHEMA_VERSION", before_index)

@@ -11,8 +11,10 @@ import pytest
 
 from guard import Airlock, AirlockContext, SecurityPolicy
 from guard.effect_guard import EffectGuard
-from journal import SQLiteJournal, pg_schema, schema
+from journal import SQLiteJournal
 from journal.postgres import PostgresJournal
+from journal.postgres import schema as pg_schema
+from journal.sqlite import schema
 from tests.cli_support import invoke
 
 

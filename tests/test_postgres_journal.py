@@ -12,9 +12,10 @@ import psycopg
 import pytest
 
 from guard.store import Decision, EffectEvent, Verdict
-from journal import CallNotFound, JournalError, JournalNotFound, NewerSchema, NotAJournal, NotResolvable, pg_schema
+from journal import CallNotFound, JournalError, JournalNotFound, NewerSchema, NotAJournal, NotResolvable
 from journal.chain import GENESIS
 from journal.postgres import PostgresJournal
+from journal.postgres import schema as pg_schema
 from tests.pgserver import PgServer
 
 pytestmark = pytest.mark.postgres

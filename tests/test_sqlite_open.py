@@ -26,7 +26,7 @@ from journal import (
     StoreBusy,
     open_journal,
 )
-from journal.schema import APPLICATION_ID, LATEST
+from journal.sqlite.schema import APPLICATION_ID, LATEST
 
 
 def digest(path: Path) -> str:
@@ -373,7 +373,7 @@ def test_a_journal_locked_by_another_process_is_busy_not_foreign(tmp_path: Path)
 
 
 def test_an_older_journal_is_migrated_on_a_writable_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from journal import schema
+    from journal.sqlite import schema
 
     path = tmp_path / "j.db"
     make_journal(path)
@@ -395,7 +395,7 @@ def test_an_older_journal_is_migrated_on_a_writable_open(tmp_path: Path, monkeyp
 
 
 def test_a_failing_migration_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from journal import schema
+    from journal.sqlite import schema
 
     path = tmp_path / "j.db"
     make_journal(path)
@@ -415,7 +415,7 @@ def test_a_failing_migration_changes_nothing(tmp_path: Path, monkeypatch: pytest
 
 
 def test_a_version_1_journal_gains_the_replace_guard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from journal import schema
+    from journal.sqlite import schema
 
     path = tmp_path / "j.db"
     monkeypatch.setattr(schema, "LATEST", 1)
@@ -444,7 +444,7 @@ def test_a_version_1_journal_gains_the_replace_guard(tmp_path: Path, monkeypatch
 def test_a_version_2_journal_gets_the_ascending_index_and_lists_alike(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from journal import schema
+    from journal.sqlite import schema
 
     path = tmp_path / "j.db"
     monkeypatch.setattr(schema, "LATEST", 2)
@@ -540,7 +540,7 @@ def test_a_journal_in_a_directory_the_reader_cannot_write_is_read(tmp_path: Path
 def test_an_archive_read_sees_a_writer_that_comes_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Read as immutable (its directory not writable by the reader), then written by its owner: the
     # reader must not go on reading the file as it was, nor read pages a checkpoint is rewriting.
-    from journal import schema
+    from journal.sqlite import schema
 
     path = tmp_path / "j.db"
     make_journal(path)

@@ -21,7 +21,7 @@ from guard.store import CallRecord
 
 from ..errors import JournalError, JournalNotFound, StoreBusy
 from ..open import without_secrets
-from ..pg_deadline import DeadlineConnection
+from .deadline import DeadlineConnection
 from .server_append import _APPEND_FN
 
 if TYPE_CHECKING:

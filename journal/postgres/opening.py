@@ -6,8 +6,8 @@ from __future__ import annotations
 import psycopg
 from psycopg import errors as pg_errors
 
-from .. import pg_schema
 from ..errors import JournalError, JournalNotFound, NewerSchema, NotAJournal
+from . import schema as pg_schema
 from .connection import Conn, Connection, log
 
 # The server encodings that store the UTF-8 the journal sends unchanged.

@@ -12,12 +12,13 @@ from typing import Any
 
 from guard.store import CallRecord
 
-from .. import archive, damage, schema, sqlite_verify, verifying
+from .. import archive, sqlite_verify, verifying
 from ..errors import JournalError
 from ..events import JournalEvent, VerifyReport
 from ..projection import fold_into
 from ..rebuilding import refold
 from ..rows import call_row, event_row
+from . import damage, schema
 from .connection import _FULL, _NORMAL, Connection
 from .sql import _CALL_COLUMNS, _EVENT_COLUMNS, _INSERT_EVENT, _SELECT_HEAD, _UPSERT_CALL
 

@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
-from .. import damage, schema
 from ..errors import (
     DiskFull,
     JournalDamaged,
@@ -25,6 +24,7 @@ from ..errors import (
     NotAJournal,
     StoreBusy,
 )
+from . import damage, schema
 from .forks import _FORKS, _INHERITED
 
 T = TypeVar("T")

@@ -13,13 +13,14 @@ from typing import Any
 
 import orjson
 
-from .. import archive, schema
+from .. import archive
 from ..chain import GENESIS
 from ..errors import (
     JournalError,
 )
 from ..export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each
 from ..reading import LogReads, event_filter
+from . import schema
 from .connection import _FULL, _NORMAL, Connection
 from .sql import _EVENT_COLUMNS, _SELECT_HEAD
 

@@ -10,8 +10,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from .. import damage, schema
 from ..reconcile import Reconciling
+from . import damage, schema
 from .checking import Checking
 from .connection import Durability
 from .forks import _FORKS, _INHERITED, _JOURNALS

@@ -1,0 +1,231 @@
+"""The PostgreSQL journal's schema: its tables, the append-only trigger and the migrations.
+
+A journal lives in one schema of a database: the first schema of the connection's
+``search_path`` (``public`` by default), so several journals can share a database. Never a later
+one: :func:`search_path_schemas` reads the setting as PostgreSQL does, for the journal to check
+that the schema its statements reach is that first one.
+
+- ``airlock_journal_meta``: one row naming the application and the schema version;
+- ``events``: the log, one column per field of an event (JSON fields as canonical text, ``at`` as
+  its exported ISO-8601 text, so every hash is recomputed from exactly the stored bytes);
+- ``calls``: the projection, one row per call, written in the same transaction as its event;
+- ``chain_head``: one row with the last ``seq`` and ``hash`` (and a ``generation`` that ``rebuild``
+  moves); every append updates it, so its row lock makes ``seq`` gapless and the chain unbroken
+  under any number of writers.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "APPLICATION", "MIGRATIONS", "SCHEMA_VERSION", "TABLES", "USER_SCHEMA", "search_path_schemas", "tables_of",
+]
+
+APPLICATION = "airlock-journal"
+
+TABLES = ("airlock_journal_meta", "events", "calls", "chain_head", "leases", "archives", "calls_archived")
+
+_V1 = (
+    """
+    CREATE TABLE airlock_journal_meta (
+        id smallint PRIMARY KEY DEFAULT 1 CHECK (id = 1),
+        application text NOT NULL,
+        schema_version integer NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE events (
+        seq bigint PRIMARY KEY CHECK (seq >= 1),
+        at text NOT NULL,
+        call_id text,
+        kind text NOT NULL
+            CHECK (kind IN ('pending', 'committed', 'unknown', 'released', 'replayed', 'refused')),
+        tool text NOT NULL,
+        agent_id text,
+        idempotency_key text,
+        arguments text,
+        value text,
+        error text,
+        reason text,
+        actor text NOT NULL,
+        attempt integer NOT NULL,
+        owner text,
+        prev_hash text NOT NULL,
+        hash text NOT NULL
+    )
+    """,
+    "CREATE INDEX events_call_id ON events (call_id, seq)",
+    "CREATE INDEX events_at ON events (at)",
+    """
+    CREATE TABLE calls (
+        call_id text PRIMARY KEY,
+        tool text NOT NULL,
+        status text NOT NULL CHECK (status IN ('pending', 'committed', 'unknown', 'released')),
+        attempt integer NOT NULL,
+        agent_id text,
+        idempotency_key text,
+        arguments text,
+        value text,
+        error text,
+        reason text,
+        actor text NOT NULL,
+        owner text,
+        created_at text NOT NULL,
+        updated_at text NOT NULL,
+        since text NOT NULL,
+        last_seq bigint NOT NULL
+    )
+    """,
+    "CREATE INDEX calls_updated_at ON calls (updated_at)",
+    "CREATE INDEX calls_status ON calls (status, since)",
+    """
+    CREATE TABLE chain_head (
+        id smallint PRIMARY KEY DEFAULT 1 CHECK (id = 1),
+        seq bigint NOT NULL,
+        hash text NOT NULL,
+        generation bigint NOT NULL DEFAULT 0
+    ) WITH (fillfactor = 10)
+    """,
+    "INSERT INTO chain_head (id, seq, hash) VALUES (1, 0, repeat('0', 64))",
+    # The log is append-only: the database refuses to change or remove an event, whoever asks.
+    """
+    CREATE FUNCTION airlock_events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        RAISE EXCEPTION 'the airlock journal is append-only: % of events is refused', TG_OP
+            USING ERRCODE = 'integrity_constraint_violation';
+    END
+    $$
+    """,
+    """
+    CREATE TRIGGER events_append_only BEFORE UPDATE OR DELETE ON events
+        FOR EACH ROW EXECUTE FUNCTION airlock_events_append_only()
+    """,
+    """
+    CREATE TRIGGER events_no_truncate BEFORE TRUNCATE ON events
+        FOR EACH STATEMENT EXECUTE FUNCTION airlock_events_append_only()
+    """,
+)
+
+# version -> the statements that bring a journal from version - 1 to it.
+_V2_LEASES = (
+    # Operational state beside the log (see the SQLite schema's version 4); the times are the
+    # server's, so replicas on hosts whose clocks differ agree on which lease has run out.
+    """
+    CREATE TABLE leases (
+        call_id text NOT NULL,
+        holder text NOT NULL,
+        expires_at timestamptz NOT NULL,
+        PRIMARY KEY (call_id, holder)
+    )
+    """,
+)
+
+_V3_CALLS_BY_KEY = (
+    # The lookup of a duplicate window: an agent's recent calls with one idempotency key.
+    "CREATE INDEX calls_idempotency_key ON calls (idempotency_key, created_at)",
+)
+
+_V4_ARCHIVES = (
+    # Archiving moves the oldest events out of the log (see the SQLite schema's version 6): each
+    # archive's head, and the projection as of that head, which the rest of the log is folded onto.
+    """
+    CREATE TABLE archives (
+        last_seq bigint PRIMARY KEY,
+        last_hash text NOT NULL,
+        events bigint NOT NULL,
+        archived_at text NOT NULL,
+        file text NOT NULL
+    )
+    """,
+    # A call's row as of the head: its id, and the other columns of calls as one JSON array.
+    "CREATE TABLE calls_archived (call_id text PRIMARY KEY, record text NOT NULL)",
+    # The trigger lets a DELETE through only inside airlock_archive_events, which sets the flag for
+    # its own statement. Only a role with DELETE on events (the owner: the function runs as it) could
+    # set the flag itself, and the owner can drop the trigger anyway.
+    """
+    CREATE OR REPLACE FUNCTION airlock_events_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP = 'DELETE' AND current_setting('airlock.archiving', true) = 'on' THEN
+            RETURN OLD;
+        END IF;
+        RAISE EXCEPTION 'the airlock journal is append-only: % of events is refused', TG_OP
+            USING ERRCODE = 'integrity_constraint_violation';
+    END
+    $$
+    """,
+    # Run as its owner (SECURITY DEFINER), so an operator needs only EXECUTE on it, never DELETE on
+    # events: it removes the events up to upto_seq, never the last one, only where the log still
+    # holds upto_seq with upto_hash and the last archive is the one the caller read, and records the
+    # archive's head in the same transaction.
+    """
+    DO $do$
+    BEGIN
+    EXECUTE format($make$
+    CREATE FUNCTION %1$I.airlock_archive_events(
+        expected_base bigint, upto_seq bigint, upto_hash text, archived_at text, archive_file text
+    ) RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER SET search_path = %1$I, pg_temp AS $fn$
+    DECLARE h_seq bigint; found_hash text; base bigint; removed bigint;
+    BEGIN
+        SELECT seq INTO h_seq FROM chain_head WHERE id = 1 FOR UPDATE;
+        IF upto_seq >= h_seq THEN
+            RAISE EXCEPTION 'the last event of the log (seq %%) stays in it', h_seq
+                USING ERRCODE = 'integrity_constraint_violation';
+        END IF;
+        SELECT coalesce(max(last_seq), 0) INTO base FROM archives;
+        IF base <> expected_base THEN
+            RAISE EXCEPTION 'another archive moved the log to seq %% meanwhile', base
+                USING ERRCODE = 'integrity_constraint_violation';
+        END IF;
+        SELECT hash INTO found_hash FROM events WHERE seq = upto_seq;
+        IF found_hash IS DISTINCT FROM upto_hash THEN
+            RAISE EXCEPTION 'event seq %% is not the one archived', upto_seq
+                USING ERRCODE = 'integrity_constraint_violation';
+        END IF;
+        PERFORM set_config('airlock.archiving', 'on', true);
+        DELETE FROM events WHERE seq <= upto_seq;
+        GET DIAGNOSTICS removed = ROW_COUNT;
+        PERFORM set_config('airlock.archiving', '', true);
+        INSERT INTO archives (last_seq, last_hash, events, archived_at, file)
+            VALUES (upto_seq, upto_hash, removed, archived_at, archive_file);
+        RETURN removed;
+    END
+    $fn$
+    $make$, current_schema());
+    END
+    $do$
+    """,
+    "REVOKE ALL ON FUNCTION airlock_archive_events(bigint, bigint, text, text, text) FROM PUBLIC",
+)
+
+MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_LEASES, 3: _V3_CALLS_BY_KEY, 4: _V4_ARCHIVES}
+SCHEMA_VERSION = max(MIGRATIONS)
+_SINCE = {"leases": 2, "archives": 4, "calls_archived": 4}  # a table that came with a later version than the first
+
+
+def tables_of(version: int) -> tuple[str, ...]:
+    """The tables a journal of schema ``version`` has."""
+    return tuple(t for t in TABLES if _SINCE.get(t, 1) <= version)
+
+
+USER_SCHEMA = "$user"  # a search_path entry that stands for the schema named after the login
+
+# One entry of a search_path: a quoted name ("" for a quote in it) or an unquoted one, then a comma
+# or the end. The server has checked the syntax of the setting already.
+_PATH_ENTRY = re.compile(r'\s*(?:"((?:[^"]|"")*)"|([^",\s]+))\s*(?:,|$)')
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+_NAME_BYTES = 63  # PostgreSQL cuts a longer identifier to this many bytes
+
+
+def search_path_schemas(search_path: str) -> list[str]:
+    """The schema names of a ``search_path`` setting, in order, read as PostgreSQL reads them: an
+    unquoted name folded to lower case (ASCII letters only), a quoted one as written, each cut to
+    63 bytes; ``$user``, quoted or not, stays :data:`USER_SCHEMA`."""
+    names: list[str] = []
+    at = 0
+    while at < len(search_path) and (found := _PATH_ENTRY.match(search_path, at)) and found.end() > at:
+        quoted, bare = found.groups()
+        name = quoted.replace('""', '"') if quoted is not None else bare.translate(_ASCII_LOWER)
+        names.append(name.encode()[:_NAME_BYTES].decode(errors="ignore"))
+        at = found.end()
+    return names
