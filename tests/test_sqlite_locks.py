@@ -30,8 +30,8 @@ from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard
 from guard.store import Decision, EffectEvent, Verdict
 from journal import SQLiteJournal
-from journal.sqlite import forks as journal_sqlite
 from journal.errors import JournalError
+from journal.sqlite import forks as journal_sqlite
 
 ROOT = Path(__file__).resolve().parents[1]
 
