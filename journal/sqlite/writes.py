@@ -77,24 +77,13 @@ def _decoded(decode: Callable[[Any], T], row: Any) -> T:
         raise JournalError(f"A stored row of the journal cannot be read ({e}); run verify.") from e
 
 
-def _call_row(record: CallRecord, known: dict[int, str | None] | None = None) -> tuple[Any, ...]:
-    """The projection row of ``record``; ``known`` maps id() of objects already turned into text
-    (the event's ``at``, ``error``, ``reason`` and ``owner``) to that text, so it is not redone."""
-    known = known or {}
+def _text(obj: Mapping[str, Any] | None, same: object, done: str | None) -> str | None:
+    """The JSON text of ``obj``: ``done`` when it is the object ``same`` that text was made of."""
+    return done if obj is same else json_text(obj)
 
-    def text(obj: Mapping[str, Any] | None) -> str | None:
-        return known[id(obj)] if id(obj) in known else json_text(obj)
 
-    def when(t: datetime) -> str:
-        done = known.get(id(t))
-        return done if done is not None else at_text(t)
-
-    return (
-        record.call_id, record.tool, record.status, record.attempt, record.agent_id, record.idempotency_key,
-        record.arguments, record.value, text(record.error), text(record.reason), record.actor,
-        text(record.owner), when(record.created_at), when(record.updated_at), when(record.since),
-        record.last_seq,
-    )
+def _time(t: datetime, same: datetime, done: str) -> str:
+    return done if t is same else at_text(t)
 
 
 class Writes(GroupCommit, Resolving):
@@ -274,15 +263,22 @@ class Writes(GroupCommit, Resolving):
         ))
         folded = apply(record, event, seq)
         if folded is not None and folded is not record:
-            row = _call_row(folded, {
-                id(event.at): at, id(event.error): error_text, id(event.reason): reason_text,
-                id(event.owner): owner_text,
-            })
+            # The record's texts that come from this event are the ones made for it above.
+            error_text = _text(folded.error, event.error, error_text)
+            reason_text = _text(folded.reason, event.reason, reason_text)
+            owner_text = _text(folded.owner, event.owner, owner_text)
+            updated_at = _time(folded.updated_at, event.at, at)
+            since = _time(folded.since, event.at, at)
             # A row there (the call's record was read from it): update what can change. No row (a
             # new call, or a row removed by hand whose record the log gave): write it whole.
             if record is None or not conn.execute(_UPDATE_CALL, (
-                row[2], row[3], row[4], row[7], row[8], row[9], row[10], row[11], row[13], row[14], row[15], row[0],
+                folded.status, folded.attempt, folded.agent_id, folded.value, error_text, reason_text,
+                folded.actor, owner_text, updated_at, since, seq, folded.call_id,
             )).rowcount:
-                conn.execute(_UPSERT_CALL, row)
+                conn.execute(_UPSERT_CALL, (
+                    folded.call_id, folded.tool, folded.status, folded.attempt, folded.agent_id,
+                    folded.idempotency_key, folded.arguments, folded.value, error_text, reason_text, folded.actor,
+                    owner_text, _time(folded.created_at, event.at, at), updated_at, since, seq,
+                ))
         return seq, prev, digest
 
