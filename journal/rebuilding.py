@@ -9,7 +9,6 @@ from typing import Any, Protocol, TypeVar
 
 from guard.store import CallRecord
 
-from .errors import JournalError
 from .projection import fold_into
 from .rows import call_row, event_from_row, record_from_row
 from .verifying import ADVANCE_EVERY
@@ -46,19 +45,17 @@ def refold(
 
 
 def as_logged(call_id: str, record: CallRecord | None, kept: CallRecord | None, events: Iterable[tuple[Any, ...]],
-              decoded: Decoding, journal: str) -> CallRecord:
+              decoded: Decoding, journal: str) -> CallRecord | None:
     """The record of ``call_id`` folded from its ``events`` (stored rows, in ``seq`` order) onto
     ``kept`` (its row as of the start of the log, kept by an archive), where its projection row
     says ``record``: the record a write decides on when the row would let the call run (none, or
-    ``released``) and the log has state-changing events of it. A difference is logged; a log that
-    cannot be folded again (the row that held the call's start removed) raises :class:`JournalError`."""
+    ``released``) and the log has state-changing events of it. A difference is logged."""
     folded = {} if kept is None else {call_id: kept}
     for row in events:
         fold_into(folded, decoded(event_from_row, row))
     logged = folded.get(call_id)
-    if logged is None:
-        raise JournalError(f"cannot decide the call {call_id!r}: the log of the journal {journal} has events of it "
-                           "that its projection does not hold and that cannot be folded again; run verify")
+    if logged is None:  # the log makes no record of it either (an outcome with no pending): none to trust
+        return record
     if logged != record:
         log.warning("the projection row of the call %r in the journal %s (%s) differs from its log (%s): the log "
                     "decides; run verify, and rebuild", call_id, journal, "none" if record is None else record.status,

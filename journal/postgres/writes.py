@@ -73,7 +73,7 @@ class Writes(Leases, Resolving):
             record = self._as_logged(conn, call_id, record)
         return _Head(int(seq), str(prev), int(generation)), record
 
-    def _as_logged(self, conn: Conn, call_id: str, record: CallRecord | None) -> CallRecord:
+    def _as_logged(self, conn: Conn, call_id: str, record: CallRecord | None) -> CallRecord | None:
         kept_row = conn.execute("SELECT record FROM calls_archived WHERE call_id = %s", (call_id,)).fetchone()
         # Its row as of the start of the log, kept by an archive.
         kept = None if kept_row is None else self._decoded(record_from_row, (call_id, *orjson.loads(kept_row[0])))
