@@ -170,6 +170,13 @@ class ChainCheck:
         self._head = stored_hash
         return True
 
+    def advance(self, count: int, last_seq: int, head: str) -> None:
+        """Take ``count`` events that the caller checked as :meth:`feed` does (each ``seq`` the one
+        after the last, linked, its hash recomputed), the last of them ``last_seq`` with ``head``."""
+        if self._problem is None:
+            self._count += count
+            self._last_seq, self._head = last_seq, head
+
     def report(self) -> VerifyReport:
         return VerifyReport(
             ok=self._problem is None, events=self._count, head=self._head,

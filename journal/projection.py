@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 from guard.store import TRANSITIONS, CallRecord, EffectEvent, apply
 
 from .events import JournalEvent
 
-__all__ = ["fold", "fold_into", "fold_row", "record_row"]
+__all__ = ["FOLD_COLUMNS", "fold", "fold_calls", "fold_into", "fold_row", "record_row"]
+
+# The event columns a fold reads, in the order of EffectEvent's fields (so a row is an event's arguments).
+FOLD_COLUMNS = ("kind", "call_id", "tool", "at", "agent_id", "idempotency_key", "arguments", "value", "error",
+                "reason", "actor", "attempt", "owner", "seq")
 
 
 def fold_into(records: dict[str, CallRecord], event: EffectEvent | JournalEvent) -> None:
@@ -52,6 +56,26 @@ def fold_row(records: dict[str, CallRecord], row: tuple[Any, ...]) -> None:
     record = apply(records.get(call_id), event, row[0])
     if record is not None:
         records[call_id] = record
+
+
+def fold_calls(rows: Iterable[tuple[Any, ...]]) -> Iterator[CallRecord]:
+    """The record of each call, folded from its events: ``rows`` of :data:`FOLD_COLUMNS`, each
+    call's rows together and in ``seq`` order (a log read by call id). Holds one call at a time;
+    a call whose events make no record (an outcome with no ``pending``) gives none.
+
+    As in :func:`fold_row`, the stored texts stand in for ``at``, ``error``, ``reason`` and ``owner``.
+    """
+    call_id: Any = None
+    record: CallRecord | None = None
+    for row in rows:
+        if row[1] != call_id:
+            if record is not None:
+                yield record
+            call_id, record = row[1], None
+        if row[1] is not None:
+            record = apply(record, EffectEvent(*row), row[13])
+    if record is not None:
+        yield record
 
 
 def record_row(record: CallRecord) -> tuple[Any, ...]:

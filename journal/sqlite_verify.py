@@ -1,8 +1,9 @@
 """Verifying a large SQLite journal in parts, on several cores at once.
 
 Each part checks a contiguous range of ``seq`` (every hash recomputed, every link, no gaps) and
-the calls of one share of call ids (their events folded with the guard's ``apply`` and compared
-with their projection rows). The parts together check what the one-pass ``SQLiteJournal.verify``
+the calls of one range of call ids (their events, read by call id, folded with the guard's
+``apply`` and compared with their projection rows, one call at a time: a part's memory does not
+grow with the journal). The parts together check what the one-pass ``SQLiteJournal.verify``
 checks; they only say whether all is well. When any part finds a problem, the journal is verified
 again in one pass, which names the first bad event exactly as it always does.
 
@@ -17,19 +18,22 @@ import os
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 
-from guard.store import CallRecord
+from guard.store import TRANSITIONS
 
+from . import archive, verifying
 from .chain import GENESIS
-from .export import row_hash
-from .projection import fold_row, record_row
+from .events import VerifyReport
+from .projection import FOLD_COLUMNS, fold_calls
 from .rows import CALL_COLUMNS, EVENT_COLUMNS
 from .sqlite import schema
 
-__all__ = ["PARALLEL_FROM", "PATIENCE", "check_part", "child_said_ok", "start_part"]
+__all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "check_part", "child_said_ok", "start_part", "verify_snapshot"]
 
 # Below this many events one pass is quicker than starting another interpreter.
 PARALLEL_FROM = 200_000
@@ -38,13 +42,51 @@ PATIENCE = 60.0
 
 _EVENT_COLUMNS = ", ".join(EVENT_COLUMNS)
 _CALL_COLUMNS = ", ".join(CALL_COLUMNS)
+_FOLD_COLUMNS = ", ".join(FOLD_COLUMNS)
+_TRANSITIONS = "(" + ", ".join(f"'{kind}'" for kind in sorted(TRANSITIONS)) + ")"  # the kinds a fold takes
 
 
-def _share(parts: int) -> str:
-    """The SQL expression giving a call id's share, 0 to ``parts - 1``. Any total function of the id
-    is correct (a call's events and its projection row go to the same part); this one is cheap and
-    spreads typical ids."""
-    return f"((coalesce(unicode(substr(call_id, -1)), 0) + length(call_id)) % {int(parts)})"
+# The log by call id, as verify folds it: the events that can change a record, each call's together.
+BY_CALL = (f"SELECT {_FOLD_COLUMNS} FROM events WHERE call_id IS NOT NULL AND kind IN {_TRANSITIONS} "
+           "ORDER BY call_id, seq")
+
+
+def verify_snapshot(conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
+    """The report of ``SQLiteJournal.verify`` in one pass over what ``conn`` sees (in a transaction of
+    the caller's: a read snapshot, or a write not yet committed), holding one event and one call at
+    a time (:func:`journal.verifying.verify_log`). A journal with archives has its log folded onto
+    the projection as of the last archive's head, holding the calls that log touches."""
+    base = archive.sqlite_archived_head(conn)
+    if base[0]:
+        return verifying.verify_rows(
+            conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
+            lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
+            start=base, archived=archive.SQLiteSnapshot(conn), advance=advance,
+        )
+    return verifying.verify_log(
+        conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
+        lambda: conn.execute(BY_CALL),
+        lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
+        advance=advance,
+    )
+
+
+def _bounds(conn: sqlite3.Connection, part: int, parts: int, head: int) -> tuple[Any, Any]:
+    """The call ids of this part's share, ``lo <= call_id < hi`` (None: no bound), as every part
+    finds them whatever its snapshot: cut from the ids of the events up to ``head``, which are only
+    ever appended to, into parts of about as many events each (the fold's work). A range read
+    from the index by call id touches this part's entries only."""
+    def cut(k: int) -> Any:
+        if k <= 0 or k >= parts:
+            return None
+        found = conn.execute(
+            "SELECT call_id FROM events WHERE call_id IS NOT NULL AND seq <= ? ORDER BY call_id LIMIT 1 OFFSET ?",
+            (head, total * k // parts),
+        ).fetchone()
+        return None if found is None else found[0]
+
+    total = conn.execute("SELECT count(*) FROM events WHERE call_id IS NOT NULL AND seq <= ?", (head,)).fetchone()[0]
+    return cut(part), cut(part + 1)
 
 
 def _range(part: int, parts: int, head: int) -> tuple[int, int]:
@@ -52,59 +94,44 @@ def _range(part: int, parts: int, head: int) -> tuple[int, int]:
     return part * size + 1, min(head, (part + 1) * size)
 
 
-def _log_ok(conn: sqlite3.Connection, lo: int, hi: int, part: int, parts: int) -> dict[str, CallRecord] | None:
+def _chain_ok(conn: sqlite3.Connection, lo: int, hi: int) -> bool:
     """Events ``lo..hi`` are all there, each links to the one before and each hash matches its
-    fields; returns the calls of this part's share folded from the whole log, or None at the first
-    problem. The log is read in ``seq`` order: the share's events before ``lo``, every event of
-    ``lo..hi``, the share's events after ``hi``."""
-    folded: dict[str, CallRecord] = {}
-    share = _share(parts)
-    try:
-        if lo > 1:
-            for row in conn.execute(
-                f"SELECT {_EVENT_COLUMNS} FROM events WHERE seq < ? AND {share} = ? ORDER BY seq", (lo, part)
-            ):
-                fold_row(folded, row)
-            link = conn.execute("SELECT hash FROM events WHERE seq = ?", (lo - 1,)).fetchone()
-            if link is None:
-                return None
-            prev = link[0]
-        else:
-            if conn.execute("SELECT 1 FROM events WHERE seq < 1 LIMIT 1").fetchone() is not None:
-                return None  # an event before the first (seq starts at 1)
-            prev = GENESIS
-        expected = lo
-        for row in conn.execute(
-            f"SELECT {_EVENT_COLUMNS}, {share} FROM events WHERE seq BETWEEN ? AND ? ORDER BY seq", (lo, hi)
-        ):
-            if row[0] != expected or row[14] != prev or row_hash(row) != row[15]:
-                return None
-            prev = row[15]
-            expected += 1
-            if row[16] == part:
-                fold_row(folded, row)
-        if expected != hi + 1:
-            return None
-        for row in conn.execute(
-            f"SELECT {_EVENT_COLUMNS} FROM events WHERE seq > ? AND {share} = ? ORDER BY seq", (hi, part)
-        ):
-            fold_row(folded, row)
-    except (ValueError, TypeError, AttributeError):
-        return None  # a stored field that cannot be read: the one-pass check names it
-    return folded
-
-
-def _projection_ok(conn: sqlite3.Connection, folded: dict[str, CallRecord], part: int, parts: int) -> bool:
-    """The calls of this share, folded from the log, are exactly their stored projection rows
-    (part 0 also takes any row without a call id, which only an altered journal has)."""
-    share = _share(parts)
-    for row in conn.execute(
-        f"SELECT {_CALL_COLUMNS} FROM calls WHERE {share} = :part OR (:part = 0 AND {share} IS NULL)", {"part": part}
-    ):
-        record = folded.pop(row[0], None)
-        if record is None or record_row(record) != row:
+    fields (the one before ``lo`` is taken as it is: the part before checks it)."""
+    if lo > 1:
+        link = conn.execute("SELECT hash FROM events WHERE seq = ?", (lo - 1,)).fetchone()
+        if link is None:
             return False
-    return not folded
+        start = lo - 1, link[0]
+    else:
+        if conn.execute("SELECT 1 FROM events WHERE seq < 1 LIMIT 1").fetchone() is not None:
+            return False  # an event before the first (seq starts at 1)
+        start = 0, GENESIS
+    if not isinstance(start[1], str):
+        return False
+    check = verifying.check_chain(
+        conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE seq BETWEEN ? AND ? ORDER BY seq", (lo, hi)),
+        start=start,
+    )
+    return check.ok and check.last_seq == hi
+
+
+def _projection_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -> bool:
+    """The calls of this part's share (:func:`_bounds`), each folded from its events in the whole
+    log, are exactly their stored projection rows (part 0 also looks for a row without a call id,
+    which only an altered journal has). One call is held at a time: the events are read by call
+    id, beside the rows."""
+    lo, hi = _bounds(conn, part, parts, head)
+    where = " AND ".join(["call_id IS NOT NULL", *(["call_id >= :lo"] if lo is not None else []),
+                          *(["call_id < :hi"] if hi is not None else [])])
+    bounds = {"lo": lo, "hi": hi}
+    log_end = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+    records = fold_calls(conn.execute(
+        f"SELECT {_FOLD_COLUMNS} FROM events WHERE {where} AND kind IN {_TRANSITIONS} ORDER BY call_id, seq", bounds
+    ))
+    if part == 0 and conn.execute("SELECT 1 FROM calls WHERE call_id IS NULL LIMIT 1").fetchone() is not None:
+        return False  # a row without a call id: the log cannot have produced it
+    rows = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls WHERE {where} ORDER BY call_id", bounds)
+    return verifying.projection_problem(records, rows, log_end) is None
 
 
 def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -> bool:
@@ -114,10 +141,9 @@ def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -
     try:
         conn.execute("BEGIN")  # the projection and the log it is compared with, at one moment
         lo, hi = _range(part, parts, head)
-        folded = _log_ok(conn, lo, hi, part, parts)
-        return folded is not None and _projection_ok(conn, folded, part, parts)
-    except sqlite3.Error:
-        return False
+        return _chain_ok(conn, lo, hi) and _projection_ok(conn, part, parts, head)
+    except (sqlite3.Error, ValueError, TypeError, AttributeError):
+        return False  # a stored field that cannot be read, or ids out of order: the one-pass check names it
     finally:
         with contextlib.suppress(sqlite3.Error):
             conn.close()

@@ -1,12 +1,16 @@
 """Verifying a journal: one algorithm for every SQL store, over the rows it has stored.
 
-The log is read once in ``seq`` order: each row's hash is recomputed from its own stored fields
-(:func:`journal.export.row_hash`), each link and each ``seq`` checked, and each row folded with
-the guard's ``apply`` (:func:`journal.projection.fold_row`, on the stored texts). The projection is
-then compared with that fold row by row, in call id order, as stored text: a row that the log
-cannot have produced is told from one merely stale (:func:`compare_projection`). A store hands
-over the rows of one read snapshot; what only one backend has to check (PostgreSQL's head row, a
-SQLite file's own pages) it checks around this.
+:func:`verify_log` reads the log twice, holding one event and one call at a time. First in ``seq``
+order: each row's hash is recomputed from its own stored fields (:func:`journal.export.row_hash`),
+each link and each ``seq`` checked (:func:`check_chain`). Then by call id: each call's events are
+folded with the guard's ``apply`` (:func:`journal.projection.fold_calls`, on the stored texts) and
+the record compared with the call's projection row, read in the same order, as stored text
+(:func:`compare_calls`): a row that the log cannot have produced is told from one merely stale.
+
+A journal with archives folds its log onto the projection as of the last archive's head, which
+:func:`verify_rows` does in one pass over the log, holding the calls it folds. A store hands over
+the rows of one read snapshot; what only one backend has to check (PostgreSQL's head row, a SQLite
+file's own pages) it checks around this.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from guard.store import CallRecord
 from .chain import GENESIS, ChainCheck, ahead_of_log
 from .events import VerifyReport
 from .export import row_hash
-from .projection import fold_row, record_row
+from .projection import fold_calls, fold_row, record_row
 
-__all__ = ["ADVANCE_EVERY", "ArchivedProjection", "HeldProjection", "check_log", "compare_projection", "verify_rows"]
+__all__ = ["ADVANCE_EVERY", "ArchivedProjection", "HeldProjection", "check_chain", "check_log", "compare_calls",
+           "compare_projection", "projection_problem", "verify_log", "verify_rows"]
 
 ADVANCE_EVERY = 10_000  # events between two calls of a progress callback
 
@@ -138,3 +143,151 @@ def compare_projection(
         call_id, record = min(folded.items(), key=lambda item: item[1].last_seq)
         check.fail(record.last_seq, f"the projection lacks call {call_id!r}; run rebuild")
     return check.report()
+
+
+def verify_log(
+    events: Iterable[tuple[Any, ...]],
+    calls_events: Callable[[], Iterable[tuple[Any, ...]]],
+    calls: Callable[[], Iterable[tuple[Any, ...]]],
+    *,
+    advance: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """The report of a journal without archives, in bounded memory.
+
+    ``events``: the stored rows of the log (:data:`~journal.rows.EVENT_COLUMNS`) in ``seq`` order.
+    Read once the chain has checked out, in one snapshot with it: ``calls_events()``, the log's rows
+    of :data:`~journal.projection.FOLD_COLUMNS` ordered by call id, then ``seq`` (the rows without a
+    call id may be left out, and so may the kinds that change no record); ``calls()``, the projection
+    rows (:data:`~journal.rows.CALL_COLUMNS`) ordered by call id. Both orders are the database's
+    binary order of the ids (the order of Python's ``<`` on text; no id comes before ``NULL``, every
+    number before any text); ``ValueError`` when a stream is out of order. ``advance`` is told of
+    each stretch of events checked.
+    """
+    check = check_chain(events, advance=advance)
+    if not check.ok:
+        return check.report()
+    return compare_calls(check, fold_calls(calls_events()), calls())
+
+
+def check_chain(
+    events: Iterable[tuple[Any, ...]],
+    *,
+    start: tuple[int, str] = (0, GENESIS),
+    advance: Callable[[int], None] | None = None,
+) -> ChainCheck:
+    """``events`` (stored rows in ``seq`` order, from the one after ``start``) checked: each hash
+    recomputed, each link, no gap. The returned check names the first bad event, if any."""
+    check = ChainCheck(start=start)
+    last_seq, head = start
+    good = 0  # events that checked out since the last one handed to the check
+    for row in events:
+        seq = row[0]
+        if advance is not None and seq % ADVANCE_EVERY == 0:
+            advance(ADVANCE_EVERY)
+        try:
+            expected = row_hash(row)
+        except (ValueError, TypeError, AttributeError) as e:
+            _catch_up(check, good, last_seq, head)
+            check.fail(seq, f"seq {seq} has been altered: a stored field cannot be read ({e})")
+            return check
+        # The common case checked here; the check itself takes the last good event and any bad one.
+        if seq == last_seq + 1 and type(seq) is int and row[14] == head and row[15] == expected:
+            last_seq, head, good = seq, expected, good + 1
+            continue
+        _catch_up(check, good, last_seq, head)
+        check.feed(seq, row[14], row[15], expected)
+        return check
+    _catch_up(check, good, last_seq, head)
+    return check
+
+
+def _catch_up(check: ChainCheck, good: int, last_seq: int, head: str) -> None:
+    """Tell ``check`` of the ``good`` events that checked out, the last of them ``last_seq`` with ``head``."""
+    if good:
+        check.advance(good, last_seq, head)
+
+
+def compare_calls(check: ChainCheck, records: Iterable[CallRecord], rows: Iterable[tuple[Any, ...]]) -> VerifyReport:
+    """:func:`compare_projection` of a log that checked out in ``check``, with the calls folded from
+    it given one at a time (``records``, in call id order) and the projection ``rows`` in the same
+    order: the same problems, in the same precedence, holding one call at a time."""
+    problem = projection_problem(records, rows, check.last_seq)
+    if problem is not None:
+        check.fail(*problem)
+    return check.report()
+
+
+def _rank(call_id: Any) -> tuple[int, Any]:
+    """Where a call id stands in the database's order: NULL, then numbers, then text, then bytes."""
+    if call_id is None:
+        return 0, 0
+    if isinstance(call_id, int | float):
+        return 1, call_id
+    return (2, call_id) if isinstance(call_id, str) else (3, bytes(call_id))
+
+
+def _before(a: Any, b: Any) -> bool:
+    """Whether call id ``a`` comes before ``b`` in the database's order."""
+    if type(a) is str and type(b) is str:
+        return a < b
+    return _rank(a) < _rank(b)
+
+
+def projection_problem(
+    records: Iterable[CallRecord], rows: Iterable[tuple[Any, ...]], log_end: int
+) -> tuple[int | None, str] | None:
+    """The first problem (its seq, and what it is) of the projection ``rows`` against the calls
+    folded from the log (``records``), both in call id order; None when they are the same calls.
+
+    A row the log cannot have produced (see :func:`journal.chain.ahead_of_log`; ``log_end`` is the
+    seq of the log's last event) is named before any stale one: its problem does not advise a
+    rebuild, which would erase it. Then the first stale or edited row, in call id order; then the
+    call the projection lacks whose last event came first. Raises ``ValueError`` when either stream
+    is out of order (the merge would then compare calls that are not the same).
+    """
+    folded = iter(records)
+    record = next(folded, None)
+    lacking: CallRecord | None = None  # of the folded calls without a row, the one whose last event came first
+    stale: tuple[int | None, str] | None = None
+    previous: Any = _NOTHING
+    for row in rows:
+        call_id = row[0]
+        if previous is not _NOTHING and _before(call_id, previous):
+            raise ValueError(f"the projection rows are not in call id order ({previous!r}, then {call_id!r})")
+        previous = call_id
+        while record is not None and _before(record.call_id, call_id):
+            if lacking is None or record.last_seq < lacking.last_seq:
+                lacking = record
+            record = _next_in_order(folded, record)
+        expected = None
+        if record is not None and record.call_id == call_id:
+            expected, record = record, _next_in_order(folded, record)
+            if record_row(expected) == tuple(row):
+                continue
+        ahead = ahead_of_log(str(call_id), row[15], row[3], expected, log_end)
+        if ahead is not None:
+            return row[15], ahead
+        if stale is None:
+            stale = (expected.last_seq if expected is not None else row[15],
+                     f"the projection of call {call_id!r} differs from the log; run rebuild")
+    while record is not None:
+        if lacking is None or record.last_seq < lacking.last_seq:
+            lacking = record
+        record = _next_in_order(folded, record)
+    if stale is not None:
+        return stale
+    if lacking is not None:
+        return lacking.last_seq, f"the projection lacks call {lacking.call_id!r}; run rebuild"
+    return None
+
+
+_NOTHING = object()
+
+
+def _next_in_order(folded: Iterator[CallRecord], record: CallRecord) -> CallRecord | None:
+    """The call folded after ``record``; ``ValueError`` when it does not come after it."""
+    following = next(folded, None)
+    if following is not None and not _before(record.call_id, following.call_id):
+        raise ValueError(f"the log's events are not in call id order ({record.call_id!r}, then "
+                         f"{following.call_id!r})")
+    return following

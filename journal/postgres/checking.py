@@ -12,7 +12,7 @@ from guard.store import CallRecord
 from .. import archive, verifying
 from ..errors import JournalError
 from ..events import JournalEvent, VerifyReport
-from ..projection import fold_into
+from ..projection import fold_calls, fold_into
 from ..rebuilding import refold
 from ..rows import (
     EVENT_COLUMNS,
@@ -20,7 +20,7 @@ from ..rows import (
     event_row,
 )
 from .connection import Conn, Connection
-from .sql import _BATCH, _CALL_SELECT, _EVENT_SELECT, _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
+from .sql import _BATCH, _BY_CALL, _CALL_SELECT, _EVENT_SELECT, _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
 
 
 class Checking(Connection):
@@ -41,11 +41,18 @@ class Checking(Connection):
                 cur.execute(sql.encode())
                 yield from cur
 
-        calls = functools.partial(streamed, "airlock_verify_calls", f"{_CALL_SELECT} ORDER BY call_id")
+        # Ids in binary order (COLLATE "C"), the order the log read by call id is merged in.
+        calls = functools.partial(streamed, "airlock_verify_calls", f'{_CALL_SELECT} ORDER BY call_id COLLATE "C"')
         start = archive.postgres_archived_head(conn)
-        archived = verifying.HeldProjection(archive.postgres_snapshot(conn), calls) if start[0] else None
-        check, folded = verifying.check_log(streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq"),
-                                            start=start, archived=archived, advance=advance)
+        events = streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq")
+        archived: verifying.HeldProjection | None = None
+        folded: dict[str, CallRecord] = {}
+        if start[0]:
+            archived = verifying.HeldProjection(archive.postgres_snapshot(conn), calls)
+            check, folded = verifying.check_log(events, start=start, archived=archived, advance=advance)
+        else:
+            # No archive: the chain first, holding one event at a time; then each call, below.
+            check = verifying.check_chain(events, advance=advance)
         report = check.report()
         if not report.ok:
             return report
@@ -65,7 +72,9 @@ class Checking(Connection):
                 ok=False, events=report.events, head=report.head, first_bad_seq=log_end or None,
                 problem=f"the chain head row {head!r} does not match the last event",
             )
-        return verifying.compare_projection(check, folded, archived.rows(folded) if archived is not None else calls())
+        if archived is not None:
+            return verifying.compare_projection(check, folded, archived.rows(folded))
+        return verifying.compare_calls(check, fold_calls(streamed("airlock_verify_by_call", _BY_CALL)), calls())
 
     def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
         """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls.

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from guard.store import TRANSITIONS
+
+from ..projection import FOLD_COLUMNS
 from ..rows import (
     CALL_COLUMNS,
     EVENT_COLUMNS,
@@ -107,3 +110,6 @@ _RELAXED = b"SET LOCAL synchronous_commit = off"
 # Whether the log has an event of a call that changes its record (see Writes._lock_and_read).
 _LOGGED = ("SELECT 1 FROM events WHERE call_id = %s AND kind IN ('pending', 'committed', 'unknown', 'released') "
            "LIMIT 1")
+# The log by call id (ids in binary order, as the projection is read), each call's events together.
+_BY_CALL = (f"SELECT {', '.join(FOLD_COLUMNS)} FROM events WHERE call_id IS NOT NULL AND kind IN "
+            f"({', '.join(repr(kind) for kind in sorted(TRANSITIONS))}) ORDER BY call_id COLLATE \"C\", seq")

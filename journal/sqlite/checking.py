@@ -12,7 +12,7 @@ from typing import Any
 
 from guard.store import CallRecord
 
-from .. import archive, sqlite_verify, verifying
+from .. import archive, sqlite_verify
 from ..errors import JournalError
 from ..events import JournalEvent, VerifyReport
 from ..projection import fold_into
@@ -20,7 +20,7 @@ from ..rebuilding import refold
 from ..rows import call_row, event_row
 from . import damage, schema
 from .connection import _FULL, _NORMAL, Connection
-from .sql import _CALL_COLUMNS, _EVENT_COLUMNS, _INSERT_EVENT, _SELECT_HEAD, _UPSERT_CALL
+from .sql import _EVENT_COLUMNS, _INSERT_EVENT, _SELECT_HEAD, _UPSERT_CALL
 
 
 class Checking(Connection):
@@ -103,14 +103,8 @@ class Checking(Connection):
 
     def _verified_log(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
         """The report of :meth:`verify`, in one pass over what ``conn`` sees (in a transaction of
-        the caller's: a read snapshot, or a write not yet committed)."""
-        # The log goes on from the last archive's head, folded onto the projection as of that head.
-        base = archive.sqlite_archived_head(conn)
-        return verifying.verify_rows(
-            conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
-            lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
-            start=base, archived=archive.SQLiteSnapshot(conn) if base[0] else None, advance=advance,
-        )
+        the caller's: a read snapshot, or a write not yet committed), one event and one call at a time."""
+        return sqlite_verify.verify_snapshot(conn, advance)
 
     def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
         """Rebuild the projection from the log through the fold, in one transaction; returns the
