@@ -29,7 +29,6 @@ _sha256 = hashlib.sha256
 _loads = orjson.loads
 _dumps = orjson.dumps
 _Fragment = orjson.Fragment
-_SORTED = orjson.OPT_SORT_KEYS
 _NEWLINE = orjson.OPT_APPEND_NEWLINE
 
 # Characters that may stand raw in a JSON string, but where str.splitlines() (and readers like it)
@@ -225,14 +224,16 @@ def row_hash(row: tuple[Any, ...]) -> str:
     they are; a stored text that is not canonical (an altered row) gives another hash, as it should.
     """
     arguments, value, error, reason, owner = row[7], row[8], row[9], row[10], row[13]
+    # The keys written in sorted order, so orjson need not sort them: the same canonical bytes.
     body = _dumps({
-        "seq": row[0], "at": row[1], "call_id": row[2], "kind": row[3], "tool": row[4], "agent_id": row[5],
-        "idempotency_key": row[6],
+        "actor": row[11], "agent_id": row[5],
         "arguments_sha256": None if arguments is None else _sha256(arguments.encode()).hexdigest(),
-        "value_sha256": None if value is None else _sha256(value.encode()).hexdigest(),
+        "at": row[1], "attempt": row[12], "call_id": row[2],
         "error": None if error is None else _Fragment(error),
-        "reason": None if reason is None else _Fragment(reason),
-        "actor": row[11], "attempt": row[12],
+        "idempotency_key": row[6], "kind": row[3],
         "owner": None if owner is None else _Fragment(owner),
-    }, option=_SORTED)
+        "reason": None if reason is None else _Fragment(reason),
+        "seq": row[0], "tool": row[4],
+        "value_sha256": None if value is None else _sha256(value.encode()).hexdigest(),
+    })
     return _sha256(row[14].encode("ascii") + body).hexdigest()
