@@ -24,11 +24,13 @@ _BATCH = 1000  # rows of events read at a time
 _CALLS = f"SELECT {', '.join(CALL_COLUMNS)} FROM calls"
 _EVENTS = f"SELECT {', '.join(EVENT_COLUMNS)} FROM events"
 _STATS = (
-    "SELECT status, count(*) FROM calls GROUP BY status ORDER BY status",
-    "SELECT tool, count(*) FROM calls GROUP BY tool ORDER BY tool",
+    # One scan of the projection: counts by status and tool, and when the oldest pending or unknown
+    # call of each group entered its status (its time read only for those: the column lies far
+    # into a row, past the arguments and the value).
+    "SELECT status, tool, count(*), min(CASE WHEN status IN ('pending', 'unknown') THEN since END) "
+    "FROM calls GROUP BY status, tool",
     # seq is gapless from 1 (archives included), so the last one counts the events without a scan.
     "SELECT coalesce(max(seq), 0) FROM events",
-    "SELECT status, min(since) FROM calls WHERE status IN ('pending', 'unknown') GROUP BY status",
 )
 
 
@@ -169,12 +171,19 @@ class LogReads:
     def stats(self) -> JournalStats:
         """Counts of calls by status and by tool, the number of events, and when the oldest pending
         and unknown calls entered that status; all of one moment, however many writers there are."""
-        statuses, tools, events, oldest_rows = self._snapshot("read the stats", _STATS)
-        by_status = {str(status): int(n) for status, n in statuses}
-        oldest = {str(status): at for status, at in oldest_rows if at is not None}
+        groups, events = self._snapshot("read the stats", _STATS)
+        by_status: dict[str, int] = {}
+        by_tool: dict[str, int] = {}
+        oldest: dict[str, str] = {}
+        for status, tool, n, since in groups:
+            by_status[status] = by_status.get(status, 0) + int(n)
+            by_tool[tool] = by_tool.get(tool, 0) + int(n)
+            if status in ("pending", "unknown") and since is not None and (
+                    status not in oldest or since < oldest[status]):
+                oldest[status] = since
         return JournalStats(
-            calls=sum(by_status.values()), events=int(events[0][0]), by_status=by_status,
-            by_tool={str(tool): int(n) for tool, n in tools},
+            calls=sum(by_status.values()), events=int(events[0][0]), by_status=dict(sorted(by_status.items())),
+            by_tool=dict(sorted(by_tool.items())),
             oldest_pending_at=self._decoded(parse_at, oldest["pending"]) if "pending" in oldest else None,
             oldest_unknown_at=self._decoded(parse_at, oldest["unknown"]) if "unknown" in oldest else None,
         )
