@@ -8,6 +8,7 @@ import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from hashlib import sha256
 from time import perf_counter
 from typing import Any, Literal, TypeVar, cast
 
@@ -21,7 +22,6 @@ from .canonical import (
     key_from_canonical,
     key_prefix,
     storable,
-    to_json_value,
 )
 from .context import AirlockContext, CallContext, active, enter_call, leave_call
 from .duplicates import decide_duplicate, earlier_call
@@ -149,8 +149,8 @@ class _Call:
 
     __slots__ = (
         "agent_id", "airlock", "approval", "args", "arguments", "attempt", "call_id", "checked", "code", "context",
-        "duplicate", "eg", "escalation", "holder", "key", "kind", "kwargs", "metadata", "replay_value", "request",
-        "store_seconds", "tool", "tool_call_id", "verdict",
+        "duplicate", "eg", "escalation", "holder", "key", "kind", "kwargs", "metadata", "recorded_agent",
+        "replay_value", "request", "store_seconds", "tool", "tool_call_id", "verdict",
     )
 
     def __init__(self, airlock: Airlock, tool: _Tool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -169,6 +169,8 @@ class _Call:
             outer = host.call_context() if not isinstance(host, AirlockContext) else host
             self.agent_id, self.tool_call_id = outer.agent_id, None
             self.metadata = {k: v for k, v in outer.metadata.items() if k != "tool_call_id"}
+        # The agent as every event records it (a lone surrogate escaped), worked out once a call.
+        self.recorded_agent = storable(self.agent_id)
         # The id the store keeps the call under: the tool call id, or with id_scope="agent" the pair.
         tool_call_id = self.tool_call_id
         if tool_call_id is not None and self.eg is not None and self.eg.id_scope == "agent":
@@ -208,7 +210,7 @@ class _Call:
                 EffectEvent(
                     # The ids may come from the model: a lone surrogate in one would make the event unstorable.
                     kind="refused", call_id=self.call_id, tool=self.tool.recorded_name,
-                    agent_id=storable(self.agent_id), idempotency_key=self.key, arguments=self.arguments,
+                    agent_id=self.recorded_agent, idempotency_key=self.key, arguments=self.arguments,
                     reason={"code": code, "message": storable(error)}, attempt=self.attempt,
                 )
             )
@@ -274,10 +276,12 @@ class _Call:
         else:
             try:
                 arguments = canonical_bytes(bound)
-                self.key = key_from_canonical(tool.key_prefix, arguments)
-                self.arguments = arguments.decode()
             except NotCanonical as e:
                 bind_error = f"an argument has no JSON form ({e})"
+            else:
+                # key_from_canonical's rule, written out: this is every guarded call's path.
+                self.key = sha256(tool.key_prefix + arguments).hexdigest()
+                self.arguments = arguments.decode()
         if eg is not None and eg.target_args and tool.irreversible:
             if bound is None:
                 return self._not_canonical(bind_error)
@@ -288,7 +292,7 @@ class _Call:
                     f"{' or '.join(repr(n) for n in eg.target_args)}.",
                     target_args=list(eg.target_args),
                 )
-        escalation = policy.escalation_reason(name)
+        escalation = policy.escalation_reason(name) if policy.escalate_tools else None
         if escalation is None and eg is not None and eg.require_approval_for_irreversible and tool.irreversible:
             escalation = "every call to an irreversible tool needs approval"
         keyed = eg is not None and self.tool_call_id is not None
@@ -382,11 +386,14 @@ class _Call:
                 if eg.duplicate_window is not None:
                     assert self.key is not None
                     self.duplicate = earlier_call(
-                        eg.store, eg.duplicate_window, call_id, storable(self.agent_id), self.key)
+                        eg.store, eg.duplicate_window, call_id, self.recorded_agent, self.key)
                 if eg.lease is not None and self.holder is None:
                     self.holder = settling.take_lease(eg.store, call_id, eg.lease)
                 try:
-                    decision = self.store_begin(call_id)
+                    if self.store_seconds is None and self.holder is None and eg.on_event is None:
+                        decision = eg.store.begin(call_id, self.decide)  # store_begin's plain case, without its frame
+                    else:
+                        decision = self.store_begin(call_id)
                 except settling.NeedsCheck as doubt:  # nothing was appended: check first, then decide again
                     assert self.tool.check is not None
                     self.checked = True
@@ -426,11 +433,11 @@ class _Call:
         tool = self.tool
         if record is None and self.duplicate is not None:  # a new id repeating a recent call: answered as it
             return decide_duplicate(
-                self.duplicate, self.call_id, tool.recorded_name, self.key, self.arguments, storable(self.agent_id))
+                self.duplicate, self.call_id, tool.recorded_name, self.key, self.arguments, self.recorded_agent)
         # The ids may come from the model: one with a lone surrogate is recorded as its backslash
         # escape, which every store can keep, as a refusal's is.
         decision = decide_attempt(
-            record, self.call_id, tool.recorded_name, self.key, self.arguments, storable(self.agent_id),
+            record, self.call_id, tool.recorded_name, self.key, self.arguments, self.recorded_agent,
             tool.reversible, self.approval,
         )
         if (decision.code == "effect_status_unknown" and tool.check is not None and not self.checked
@@ -459,10 +466,18 @@ class _Call:
     def outcome(self, kind: str, value: str | None = None, error: dict[str, str] | None = None,
                 reason: dict[str, str] | None = None) -> None:
         self.kind = kind
-        self.record(EffectEvent(
-            kind, self.call_id, self.tool.recorded_name, utc_now(), storable(self.agent_id), self.key,
+        event = EffectEvent(
+            kind, self.call_id, self.tool.recorded_name, utc_now(), self.recorded_agent, self.key,
             self.arguments, value, error, reason, GUARD_ACTOR, self.attempt, current_owner(),
-        ))
+        )
+        eg = self.eg
+        if self.store_seconds is None and self.holder is None and eg is not None and eg.on_event is None:
+            try:
+                eg.store.append(event)  # record's plain case, without its frame
+            except Exception as e:
+                self.not_recorded(kind, e)
+            return
+        self.record(event)
         if self.holder is not None:
             self.let_go()
 
@@ -480,7 +495,10 @@ class _Call:
                     "message": "the tool returned a deferred result; its effect happens as it is consumed",
                 })
                 return
-            value = to_json_value(result)
+            try:
+                value: str | None = canonical_bytes(result).decode()
+            except NotCanonical:
+                value = None
             if value is None:
                 self.outcome("committed", reason={
                     "code": "value_not_stored",
@@ -524,7 +542,10 @@ class _Call:
         assert eg is not None
         try:
             if self.store_seconds is None:
-                self.append_on(eg, event)
+                if self.holder is None:
+                    eg.store.append(event)
+                else:
+                    self.append_on(eg, event)
             else:
                 started = perf_counter()
                 try:
@@ -560,7 +581,7 @@ class _Call:
         eg = self.eg
         assert eg is not None
         if self.store_seconds is None:
-            decision = self.begin_on(eg, call_id)
+            decision = eg.store.begin(call_id, self.decide) if self.holder is None else self.begin_on(eg, call_id)
         else:
             started = perf_counter()
             try:

@@ -103,7 +103,8 @@ def canonical_bytes(obj: Any) -> bytes:
         out = orjson.dumps(obj, option=_OPTIONS)
     except orjson.JSONEncodeError as first:
         out = _fallback_bytes(obj, str(first))
-    if b"null" in out:
+    # find, not ``in``: bytes' ``in`` tries its operand as an int first, an exception a call.
+    if out.find(b"null") >= 0:
         try:
             nonfinite = _has_nonfinite(obj)
         except Exception as e:  # a model whose dump in Python mode fails: no form can be trusted

@@ -21,8 +21,9 @@ class InMemoryEffectStore:
         self._records: dict[str, CallRecord] = {}
         self._log: list[EffectEvent] = []
         self._leases: dict[str, dict[str, float]] = {}  # call id -> holder -> when it runs out (monotonic)
-        # (agent_id, idempotency_key) -> its calls' ids, oldest first: the lookup of recent_call.
-        self._by_key: dict[tuple[str | None, str], list[str]] = {}
+        # (agent_id, idempotency_key) -> its calls' ids, oldest first: the lookup of recent_call,
+        # made at its first use (a store whose guard has no duplicate window never pays for it).
+        self._by_key: dict[tuple[str | None, str], list[str]] | None = None
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         with self._lock:
@@ -43,7 +44,7 @@ class InMemoryEffectStore:
             record = apply(before, event, seq)
             if record is not None:
                 self._records[call_id] = record
-                if before is None and record.idempotency_key is not None:
+                if before is None and self._by_key is not None and record.idempotency_key is not None:
                     self._by_key.setdefault((record.agent_id, record.idempotency_key), []).append(call_id)
 
     def get(self, call_id: str) -> CallRecord | None:
@@ -118,7 +119,18 @@ class InMemoryEffectStore:
         """The most recent call of ``agent_id`` with ``idempotency_key`` begun at or after ``since`` and
         not released, or None (the lookup of ``EffectGuard(duplicate_window=...)``)."""
         with self._lock:
-            for call_id in reversed(self._by_key.get((agent_id, idempotency_key), ())):
+            by_key = self._by_key
+            if by_key is None:
+                # Each call under the agent and key of the pending event that began it, as _append files it.
+                self._by_key = by_key = {}
+                seen: set[str] = set()
+                for event in self._log:
+                    call_id = event.call_id
+                    if event.kind == "pending" and call_id is not None and call_id not in seen:
+                        seen.add(call_id)
+                        if event.idempotency_key is not None:
+                            by_key.setdefault((event.agent_id, event.idempotency_key), []).append(call_id)
+            for call_id in reversed(by_key.get((agent_id, idempotency_key), ())):
                 record = self._records[call_id]
                 if record.created_at < since:
                     break
