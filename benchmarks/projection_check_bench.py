@@ -27,7 +27,9 @@ from journal.sqlite import sql, writes
 
 CHECKED = writes._SELECT_HEAD_AND_CALL
 # The same statement without the lookup: a NULL in its place, so the row keeps its shape.
-UNCHECKED = CHECKED.replace(f"(SELECT 1 FROM events WHERE call_id = ?1 AND kind IN {sql._CHANGES})", "NULL")
+UNCHECKED = CHECKED.replace(
+    "CASE WHEN calls.status IS NULL OR calls.status = 'released' THEN "
+    f"(SELECT 1 FROM events WHERE call_id = ?1 AND kind IN {sql._CHANGES}) END", "NULL")
 assert UNCHECKED != CHECKED
 
 

@@ -49,9 +49,11 @@ _SELECT_RECENT = (
 # The head of the log and the call's row in one round trip: the read of every write transaction.
 _SELECT_HEAD_AND_CALL = (
     "SELECT (SELECT seq FROM events ORDER BY seq DESC LIMIT 1), (SELECT hash FROM events ORDER BY seq DESC LIMIT 1), "
-    # Whether the log has an event of the call that changes its record: the projection is not
-    # trusted alone where it says the call never ran, or was released (see _LOGGED_EVENTS).
-    f"(SELECT 1 FROM events WHERE call_id = ?1 AND kind IN {_CHANGES}), "
+    # Whether the log has an event of the call that changes its record, looked up only where the
+    # projection says the call never ran, or was released: it is not trusted alone there (see
+    # _LOGGED_EVENTS).
+    f"CASE WHEN calls.status IS NULL OR calls.status = 'released' THEN "
+    f"(SELECT 1 FROM events WHERE call_id = ?1 AND kind IN {_CHANGES}) END, "
     + ", ".join(f"calls.{c}" for c in _CALL_COLUMNS.split(", "))
     + " FROM (SELECT 1) LEFT JOIN calls ON calls.call_id = ?1"
 )
