@@ -693,106 +693,131 @@ class Airlock:
                     cache.append(_Tool(fn, wrapper))
                 return cache[0]
 
-        if inspect.iscoroutinefunction(fn):
-
-            async def guarded_async(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-                off_loop = call.eg is not None and offloads(call.eg.store)
-                if off_loop:
-                    refusal = await offloaded(call.gates_and_begin, droppable=True, after=call.abandoned)
-                else:
-                    refusal = call.gates_and_begin()
-                if refusal is None and call.escalation is not None:
-                    try:
-                        response: Any = self.policy.approver(call.approval_request())  # type: ignore[misc]
-                        if inspect.isawaitable(response):
-                            response = await response
-                    except Exception as e:
-                        refusal = await offloaded(call.approval_failed, e) if off_loop else call.approval_failed(e)
-                    else:
-                        # Not given up even for a caller that left meanwhile: a denial is journaled.
-                        refusal = (await offloaded(call.approved_and_begin, response, after=call.abandoned)
-                                   if off_loop else call.approved_and_begin(response))
-                if refusal is not None:
-                    return self.blocked(refusal)
-                if call.verdict is _REPLAY:
-                    return call.replay_value
-                token = enter_call(call)
-                try:
-                    result = await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
-                except BaseException as e:
-                    if off_loop and not isinstance(e, GeneratorExit):
-                        await offloaded(call.raised, e)
-                    else:  # a coroutine being closed may not wait for anything
-                        call.raised(e)
-                    raise
-                finally:
-                    # A coroutine closed outside its task's context (destroyed with its loop) cannot
-                    # reset the variable: the context it set it in is gone with the task.
-                    with contextlib.suppress(ValueError):
-                        leave_call(token)
-                if off_loop:
-                    await offloaded(call.returned, result)
-                else:
-                    call.returned(result)
-                return result
-
-            @functools.wraps(fn)
-            async def wrapper(*args: Any, **kwargs: Any) -> Any:
-                call = _Call(self, cache[0] if cache else tool(), args, kwargs)
-                if telemetry.on:  # the one check a call pays when OpenTelemetry is absent
-                    return await telemetry.atraced(call, guarded_async, args, kwargs)
-                return await guarded_async(call, args, kwargs)
-
-        else:
-
-            def guarded(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-                refusal = call.gates()
-                if refusal is None and call.escalation is not None:
-                    try:
-                        response = self.policy.approver(call.approval_request())  # type: ignore[misc]
-                        if inspect.isawaitable(response):
-                            if inspect.iscoroutine(response):
-                                response.close()
-                            raise TypeError("the approver is async; a def tool needs an approver that is a "
-                                            "plain function (an async approver serves async def tools)")
-                    except Exception as e:
-                        refusal = call.approval_failed(e)
-                    else:
-                        refusal = call.check_approval(response)
-                if refusal is None:
-                    refusal = call.begin()
-                if refusal is not None:
-                    return self.blocked(refusal)
-                if call.verdict is _REPLAY:
-                    return call.replay_value
-                token = enter_call(call)
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as e:
-                    call.raised(e)
-                    raise
-                finally:
-                    leave_call(token)
-                call.returned(result)
-                return result
-
-            @functools.wraps(fn)
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                call = _Call(self, cache[0] if cache else tool(), args, kwargs)
-                if telemetry.on:  # the one check a call pays when OpenTelemetry is absent
-                    return telemetry.traced(call, guarded, args, kwargs)
-                return guarded(call, args, kwargs)
-
         def retag() -> None:
             # A @reversibility or @requires put on above this wrapper after its first call.
             with TAGS_LOCK:
                 if cache:
                     cache[0] = _Tool(fn, wrapper)
 
+        make = self._async_wrapper if inspect.iscoroutinefunction(fn) else self._sync_wrapper
+        wrapper = make(fn, cache, tool)
         wrapper.__airlock__ = self  # type: ignore[attr-defined]
         wrapper.__airlock_tool__ = tool  # type: ignore[attr-defined]
         wrapper.__airlock_retag__ = retag  # type: ignore[attr-defined]
         return cast(F, wrapper)
+
+    def _sync_wrapper(self, fn: Callable[..., Any], cache: list[_Tool],
+                      tool: Callable[[], _Tool]) -> Callable[..., Any]:
+        """The guarded ``def`` tool: each call through the gates and the effect guard, then ``fn``."""
+        guarded = functools.partial(self._guarded, fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            call = _Call(self, cache[0] if cache else tool(), args, kwargs)
+            if telemetry.on:  # the one check a call pays when OpenTelemetry is absent
+                return telemetry.traced(call, guarded, args, kwargs)
+            return guarded(call, args, kwargs)
+
+        return wrapper
+
+    def _async_wrapper(self, fn: Callable[..., Any], cache: list[_Tool],
+                       tool: Callable[[], _Tool]) -> Callable[..., Any]:
+        """The guarded ``async def`` tool, as :meth:`_sync_wrapper`."""
+        guarded = functools.partial(self._guarded_async, fn)
+
+        @functools.wraps(fn)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            call = _Call(self, cache[0] if cache else tool(), args, kwargs)
+            if telemetry.on:  # the one check a call pays when OpenTelemetry is absent
+                return await telemetry.atraced(call, guarded, args, kwargs)
+            return await guarded(call, args, kwargs)
+
+        return wrapper
+
+    def _guarded(self, fn: Callable[..., Any], call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call of a ``def`` tool: the gates, an approval where one is needed, the store's begin;
+        then the replay, the refusal, or the tool run and its outcome recorded."""
+        refusal = call.gates()
+        if refusal is None and call.escalation is not None:
+            refusal = self._approved(call)
+        if refusal is None:
+            refusal = call.begin()
+        if refusal is not None:
+            return self.blocked(refusal)
+        if call.verdict is _REPLAY:
+            return call.replay_value
+        token = enter_call(call)
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:
+            call.raised(e)
+            raise
+        finally:
+            leave_call(token)
+        call.returned(result)
+        return result
+
+    def _approved(self, call: _Call) -> Refusal | None:
+        """The approver's answer for a ``def`` tool's escalated call: None when it approves."""
+        try:
+            response = self.policy.approver(call.approval_request())  # type: ignore[misc]
+            if inspect.isawaitable(response):
+                if inspect.iscoroutine(response):
+                    response.close()
+                raise TypeError("the approver is async; a def tool needs an approver that is a "
+                                "plain function (an async approver serves async def tools)")
+        except Exception as e:
+            return call.approval_failed(e)
+        return call.check_approval(response)
+
+    async def _guarded_async(self, fn: Callable[..., Any], call: _Call, args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> Any:
+        """One call of an ``async def`` tool, as :meth:`_guarded`; the store's work made in the
+        guard's threads where the store asks for it (``offload_async``)."""
+        off_loop = call.eg is not None and offloads(call.eg.store)
+        if off_loop:
+            refusal = await offloaded(call.gates_and_begin, droppable=True, after=call.abandoned)
+        else:
+            refusal = call.gates_and_begin()
+        if refusal is None and call.escalation is not None:
+            refusal = await self._approved_async(call, off_loop)
+        if refusal is not None:
+            return self.blocked(refusal)
+        if call.verdict is _REPLAY:
+            return call.replay_value
+        token = enter_call(call)
+        try:
+            result = await cast(Callable[..., Awaitable[Any]], fn)(*args, **kwargs)
+        except BaseException as e:
+            if off_loop and not isinstance(e, GeneratorExit):
+                await offloaded(call.raised, e)
+            else:  # a coroutine being closed may not wait for anything
+                call.raised(e)
+            raise
+        finally:
+            # A coroutine closed outside its task's context (destroyed with its loop) cannot
+            # reset the variable: the context it set it in is gone with the task.
+            with contextlib.suppress(ValueError):
+                leave_call(token)
+        if off_loop:
+            await offloaded(call.returned, result)
+        else:
+            call.returned(result)
+        return result
+
+    async def _approved_async(self, call: _Call, off_loop: bool) -> Refusal | None:
+        """The approver's answer for an ``async def`` tool's escalated call (the approver may be
+        async), and the call's begin once approved: None when it may run."""
+        try:
+            response: Any = self.policy.approver(call.approval_request())  # type: ignore[misc]
+            if inspect.isawaitable(response):
+                response = await response
+        except Exception as e:
+            return await offloaded(call.approval_failed, e) if off_loop else call.approval_failed(e)
+        # Not given up even for a caller that left meanwhile: a denial is journaled.
+        if off_loop:
+            return cast(Refusal | None, await offloaded(call.approved_and_begin, response, after=call.abandoned))
+        return call.approved_and_begin(response)
 
 
 def _tool_of(fn: Callable[..., Any]) -> _Tool:
