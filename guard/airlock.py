@@ -373,59 +373,63 @@ class _Call:
     def begin(self) -> Refusal | None:
         """The effect guard's atomic begin; sets ``verdict`` (None when the call runs unguarded)."""
         eg, call_id = self.eg, self.call_id
-        if eg is not None and call_id is not None:
-            if eg.id_scope == "global" and call_id.startswith(AGENT_PREFIX):
-                self.call_id = None  # journaled without the id, which names a call of the agent scope
-                return self.refuse(
-                    "policy_violation",
-                    f"The tool call id {call_id!r} has the form kept for ids scoped by agent ('agent:...'); "
-                    "it was not run.",
-                    violation_type="tool_call_id_reserved",
-                )
-            try:
-                if eg.duplicate_window is not None:
-                    assert self.key is not None
-                    self.duplicate = earlier_call(
-                        eg.store, eg.duplicate_window, call_id, self.recorded_agent, self.key)
-                if eg.lease is not None and self.holder is None:
-                    self.holder = settling.take_lease(eg.store, call_id, eg.lease)
-                try:
-                    if self.store_seconds is None and self.holder is None and eg.on_event is None:
-                        decision = eg.store.begin(call_id, self.decide)  # store_begin's plain case, without its frame
-                    else:
-                        decision = self.store_begin(call_id)
-                except settling.NeedsCheck as doubt:  # nothing was appended: check first, then decide again
-                    assert self.tool.check is not None
-                    self.checked = True
-                    settling.reconcile_record(
-                        eg.store, doubt.record, self.tool.check, self.holder,
-                        appended=None if eg.on_event is None else functools.partial(telemetry.deliver, eg.on_event))
-                    decision = self.store_begin(call_id)
-            except Exception as e:
+        if eg is None or call_id is None:
+            return None
+        if eg.id_scope == "global" and call_id.startswith(AGENT_PREFIX):
+            self.call_id = None  # journaled without the id, which names a call of the agent scope
+            return self.refuse(
+                "policy_violation",
+                f"The tool call id {call_id!r} has the form kept for ids scoped by agent ('agent:...'); "
+                "it was not run.",
+                violation_type="tool_call_id_reserved",
+            )
+        try:
+            decision = self._decision(eg, call_id)
+        except Exception as e:
+            self.let_go()
+            log.error("store could not record pending for %s (tool_call_id=%s): %r", self.tool.name, call_id, e)
+            return self.refuse(
+                "store_unavailable",
+                "The effect journal could not record this call, so it was not run; try again later.",
+                journal=False,
+                store_error=f"{type(e).__name__}: {message_of(e)}",
+            )
+        self.verdict = verdict = decision.verdict
+        self.attempt = decision.event.attempt
+        if self.holder is not None:
+            if verdict is _RUN:
+                settling.keep(eg.store, call_id, self.holder, eg.lease or 0.0)
+            elif settling.leases_in_begin(eg.store) and not self.checked:
+                self.holder = None  # its begin took no lease for a call that does not run
+            else:
                 self.let_go()
-                log.error("store could not record pending for %s (tool_call_id=%s): %r", self.tool.name, call_id, e)
-                return self.refuse(
-                    "store_unavailable",
-                    "The effect journal could not record this call, so it was not run; try again later.",
-                    journal=False,
-                    store_error=f"{type(e).__name__}: {message_of(e)}",
-                )
-            self.verdict = verdict = decision.verdict
-            self.attempt = decision.event.attempt
-            if self.holder is not None:
-                if verdict is _RUN:
-                    settling.keep(eg.store, call_id, self.holder, eg.lease or 0.0)
-                elif settling.leases_in_begin(eg.store) and not self.checked:
-                    self.holder = None  # its begin took no lease for a call that does not run
-                else:
-                    self.let_go()
-            if verdict is _REFUSE:
-                return self.refuse(str(decision.code), str(decision.message), journal=False, **decision.details)
-            if verdict is _REPLAY:
-                assert decision.record is not None and decision.record.value is not None
-                self.replay_value = orjson.loads(decision.record.value)
-                return None
+        if verdict is _REFUSE:
+            return self.refuse(str(decision.code), str(decision.message), journal=False, **decision.details)
+        if verdict is _REPLAY:
+            assert decision.record is not None and decision.record.value is not None
+            self.replay_value = orjson.loads(decision.record.value)
         return None
+
+    def _decision(self, eg: EffectGuard, call_id: str) -> Decision:
+        """The store's decision for this call, recorded: a recent duplicate looked up and a lease
+        taken first where the guard asks for them, and a call in doubt checked first where its
+        tool has a check."""
+        if eg.duplicate_window is not None:
+            assert self.key is not None
+            self.duplicate = earlier_call(eg.store, eg.duplicate_window, call_id, self.recorded_agent, self.key)
+        if eg.lease is not None and self.holder is None:
+            self.holder = settling.take_lease(eg.store, call_id, eg.lease)
+        try:
+            if self.store_seconds is None and self.holder is None and eg.on_event is None:
+                return eg.store.begin(call_id, self.decide)  # store_begin's plain case, without its frame
+            return self.store_begin(call_id)
+        except settling.NeedsCheck as doubt:  # nothing was appended: check first, then decide again
+            assert self.tool.check is not None
+            self.checked = True
+            settling.reconcile_record(
+                eg.store, doubt.record, self.tool.check, self.holder,
+                appended=None if eg.on_event is None else functools.partial(telemetry.deliver, eg.on_event))
+            return self.store_begin(call_id)
 
     def decide(self, record: CallRecord | None) -> Decision:
         """The replay table's decision for this call, given the store's record of its id."""
