@@ -13,7 +13,8 @@ from typing import Any
 from guard.store import CallRecord
 
 from .. import archive, sqlite_verify
-from ..errors import JournalError
+from ..chain import GENESIS
+from ..errors import JournalDamaged, JournalError
 from ..events import JournalEvent, VerifyReport
 from ..projection import fold_into
 from ..rebuilding import refold
@@ -52,7 +53,15 @@ class Checking(Connection):
                 if n > 1 and self._verified_in_parts(int(head[0]), n, advance):
                     return self._undamaged(snapshot, VerifyReport(
                         ok=True, events=int(head[0]), head=str(head[1]), first_bad_seq=None, problem=None))
-            return self._undamaged(snapshot, self._retry(snapshot, lambda: self._verify(snapshot, advance)))
+            try:
+                report = self._retry(snapshot, lambda: self._verify(snapshot, advance))
+            except JournalDamaged:
+                # SQLite could not read a page the pass needed (an index, read by call id): the file
+                # is marked, and SQLite's own check says what it finds.
+                found = self._retry(snapshot, lambda: snapshot.execute("PRAGMA quick_check").fetchall())
+                return VerifyReport(ok=False, events=0, head=str(head[1]) if head is not None else GENESIS,
+                                    first_bad_seq=None, problem=f"SQLite finds the file damaged: {found[0][0]}")
+            return self._undamaged(snapshot, report)
         finally:
             with contextlib.suppress(sqlite3.Error):
                 snapshot.close()
