@@ -7,6 +7,7 @@ exported ISO-8601 text (so a stored row re-hashes to exactly the hash it carries
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -19,7 +20,7 @@ from guard.store import CallRecord, EffectEvent, current_owner, format_at, parse
 
 from .chain import body_bytes, compute_hash, event_body
 from .errors import CallNotFound, NotResolvable
-from .events import JournalEvent, text_sha256
+from .events import JournalEvent, at_text, text_sha256
 from .owner import owner_alive
 
 __all__ = [
@@ -196,31 +197,69 @@ def split_body(event: EffectEvent) -> tuple[Prepared, bytes, bytes]:
     return (texts, body), encoded[:cut], encoded[cut + 1:]
 
 
+_PLAIN = frozenset({str, int, bool, type(None)})  # values whose JSON text reads back as an equal value
+
+_last_arguments: tuple[str | None, str | None] = (None, None)  # a text and its sha256
+
+
+def _as_stored(obj: Mapping[str, Any] | None) -> tuple[str | None, Any]:
+    """The canonical JSON text of an error, reason or owner object, and the value it reads back as.
+
+    A flat dict of strings, integers, booleans and nulls (what the guard makes) is its own reading
+    (copied): it need not be parsed back. Raises ``ValueError`` as :func:`json_text`."""
+    if obj is None:
+        return None, None
+    if type(obj) is dict and all(type(key) is str and type(item) in _PLAIN for key, item in obj.items()):
+        with contextlib.suppress(TypeError):  # an integer beyond 64 bits: the slow way says what to do
+            return orjson.dumps(obj, option=_SORTED).decode(), dict(obj)
+    text = json_text(obj)
+    return text, _loads(text)
+
+
+def _arguments_sha256(text: str | None) -> str | None:
+    """``text_sha256`` of a call's arguments: a call's events carry the one text the guard made, so
+    the digest of the last one is kept for the next."""
+    global _last_arguments
+    last_text, last_digest = _last_arguments
+    if text is last_text:
+        return last_digest
+    digest = text_sha256(text)
+    _last_arguments = (text, digest)
+    return digest
+
+
 def _texts_and_body(event: EffectEvent, seq: int) -> Prepared:
-    at_text = format_at(event.at)
-    error_text, reason_text, owner_text = json_text(event.error), json_text(event.reason), json_text(event.owner)
+    at_string = at_text(event.at)
+    error_text, error = _as_stored(event.error)
+    reason_text, reason = _as_stored(event.reason)
+    owner_text, owner = _as_stored(event.owner)
     body = event_body(
-        seq=seq, at=at_text, call_id=event.call_id, kind=event.kind, tool=event.tool, agent_id=event.agent_id,
-        idempotency_key=event.idempotency_key, arguments_sha256=text_sha256(event.arguments),
-        value_sha256=text_sha256(event.value), error=_loads(error_text), reason=_loads(reason_text),
-        actor=event.actor, attempt=event.attempt, owner=_loads(owner_text),
+        seq=seq, at=at_string, call_id=event.call_id, kind=event.kind, tool=event.tool, agent_id=event.agent_id,
+        idempotency_key=event.idempotency_key, arguments_sha256=_arguments_sha256(event.arguments),
+        value_sha256=text_sha256(event.value), error=error, reason=reason,
+        actor=event.actor, attempt=event.attempt, owner=owner,
     )
-    return (at_text, error_text, reason_text, owner_text), body
+    return (at_string, error_text, reason_text, owner_text), body
+
+
+def _utc(at: datetime) -> datetime:
+    """``at`` as the aware UTC time its stored text reads back as (a naive time is local)."""
+    return at if at.tzinfo is UTC else at.astimezone(UTC)
 
 
 def placed(event: EffectEvent, prepared: Prepared, seq: int, prev_hash: str,
            digest: str) -> tuple[JournalEvent, tuple[Any, ...]]:
     """``event`` stored at ``seq`` after ``prev_hash`` with hash ``digest``, and its row; ``prepared``
     as :func:`split_body` gives it."""
-    (at_text, error_text, reason_text, owner_text), body = prepared
+    (at_string, error_text, reason_text, owner_text), body = prepared
     error, reason, owner = body["error"], body["reason"], body["owner"]
     stored = JournalEvent(
-        seq=seq, at=parse_at(at_text), call_id=event.call_id, kind=event.kind, tool=event.tool,
+        seq=seq, at=_utc(event.at), call_id=event.call_id, kind=event.kind, tool=event.tool,
         agent_id=event.agent_id, idempotency_key=event.idempotency_key, arguments=event.arguments,
         value=event.value, error=error, reason=reason, actor=event.actor, attempt=event.attempt, owner=owner,
         prev_hash=prev_hash, hash=digest,
     )
-    row = (seq, at_text, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
+    row = (seq, at_string, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
            event.arguments, event.value, error_text, reason_text, event.actor, event.attempt, owner_text,
            prev_hash, digest)
     return stored, row
