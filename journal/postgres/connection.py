@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.pq import TransactionStatus
 from psycopg.sql import SQL, Identifier
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
@@ -94,6 +97,26 @@ class _ConnectionLost(JournalError):
 class _NoServerAppend(Exception):
     """The session has no server-side append; nothing was written: append the locked way."""
 
+class _Held:
+    """A connection one thread keeps between its appends, given back to its pool when the thread
+    ends, when the journal closes, or when it breaks (see :meth:`Connection._writer_conn`)."""
+
+    __slots__ = ("__weakref__", "conn", "pid", "pool", "release")
+
+    def __init__(self, conn: Conn, pool: ConnectionPool[Conn]) -> None:
+        self.conn, self.pool, self.pid = conn, pool, os.getpid()
+        self.release = weakref.finalize(self, _give_back, conn, pool, self.pid)
+
+
+def _give_back(conn: Conn, pool: ConnectionPool[Conn], pid: int) -> None:
+    # It may run in any thread, from the garbage collector: it takes none of the journal's locks.
+    if os.getpid() != pid:
+        _INHERITED.append(conn)  # a forked child's copy: its socket is the parent's session
+        return
+    with contextlib.suppress(Exception):
+        pool.putconn(conn)  # a closed pool closes it
+
+
 class _Tx:
     """Where a write transaction got to: nothing is committed before ``committing``."""
 
@@ -117,6 +140,7 @@ class Connection:
     pool_size: int
     _connect_kwargs: dict[str, Any]
     _recent: tuple[_Head, str | None, CallRecord | None, str | None] | None
+    _written: dict[str, tuple[CallRecord, str]]
     _skip_cas: int
     _taken: int
     _server_append: bool
@@ -126,6 +150,8 @@ class Connection:
     _lock: threading.Lock
     _pid: int
     _pool: ConnectionPool[Conn]
+    _writers: threading.local  # a thread's _Held, as ``held``
+    _holders: weakref.WeakSet[_Held]
 
     def _make_pool(self) -> ConnectionPool[Conn]:
         pool: ConnectionPool[Conn] = ConnectionPool(
@@ -234,6 +260,8 @@ class Connection:
         record this object last wrote: after such a loss they may name events that are gone."""
         self._suspect = True
         self._recent = None
+        with self._lock:
+            self._written.clear()
 
     def _probe(self, doing: str) -> None:
         """Connect once outside the pool: raises at once while the server is down."""
@@ -251,6 +279,7 @@ class Connection:
                     _INHERITED.append(self._pool)
                     self._pid = os.getpid()
                     self._pool = self._make_pool()
+                    self._writers, self._holders = threading.local(), weakref.WeakSet()
         if self._suspect:
             self._probe(doing)
         deadline = time.monotonic() + self.busy_timeout
@@ -352,7 +381,7 @@ class Connection:
         COMMIT); its first row. A connection that dies meanwhile leaves it in doubt:
         :class:`_ConnectionLost`."""
         self._check_writable(doing)
-        conn = self._getconn(doing)
+        conn = self._writer_conn(doing)
         try:
             return conn.execute(sql, params).fetchone()
         except psycopg.Error as e:
@@ -361,7 +390,45 @@ class Connection:
                 raise _ConnectionLost(str(self._translate(e, doing))) from e
             raise self._translate(e, doing) from e
         finally:
+            self._writer_done(conn)
+
+    def _writer_conn(self, doing: str) -> Conn:
+        """A connection for one of the guard's one-statement appends: this thread's own, kept from
+        its last append (a pool's checkout and return cost as much as a tenth of the round trip),
+        while the threads that keep one leave at least one of the pool's connections to the others.
+        Only this thread uses it; :meth:`_writer_done` says when it is free again."""
+        held: _Held | None = getattr(self._writers, "held", None)
+        if held is not None:
+            conn = held.conn
+            if (held.pid == os.getpid() and held.pool is self._pool and not self._suspect and not self._closed
+                    and not conn.broken and conn.info.transaction_status == TransactionStatus.IDLE):
+                return conn
+            self._let_go(held)
+        conn = self._getconn(doing)
+        if len(self._holders) < self.pool_size - 1:
+            held = _Held(conn, self._pool)
+            self._holders.add(held)
+            self._writers.held = held
+        return conn
+
+    def _writer_done(self, conn: Conn) -> None:
+        held: _Held | None = getattr(self._writers, "held", None)
+        if held is None or held.conn is not conn:
             self._pool.putconn(conn)
+        elif conn.broken:
+            self._let_go(held)  # the pool replaces it
+
+    def _let_go(self, held: _Held) -> None:
+        if getattr(self._writers, "held", None) is held:
+            self._writers.held = None
+        self._holders.discard(held)
+        held.release()
+
+    def _release_writers(self) -> None:
+        """Give every connection a thread keeps back to the pool (on close)."""
+        for held in list(self._holders):
+            self._holders.discard(held)
+            held.release()
 
     def _check_writable(self, doing: str) -> None:
         if self.readonly:

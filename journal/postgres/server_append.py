@@ -72,10 +72,16 @@ BEGIN
         SELECT c.last_seq, e.hash, c.status INTO current_last, current_hash, current_status
             FROM calls c LEFT JOIN events e ON e.seq = c.last_seq WHERE c.call_id = e_call_id;
         -- A record that lets the call run (none, or released) is checked against the log: a call
-        -- with state-changing events is decided the locked way, which folds them.
-        IF (current_last IS NULL OR current_status = 'released') AND EXISTS (
-            SELECT 1 FROM events e WHERE e.call_id = e_call_id
-            AND e.kind IN ('pending', 'committed', 'unknown', 'released')) THEN
+        -- with state-changing events is decided the locked way, which folds them, unless the record
+        -- is released by the call's last such event (a row released by hand is not).
+        IF (current_last IS NULL AND EXISTS (
+                SELECT 1 FROM events e WHERE e.call_id = e_call_id
+                AND e.kind IN ('pending', 'committed', 'unknown', 'released')))
+           OR (current_status = 'released' AND (NOT EXISTS (
+                SELECT 1 FROM events e WHERE e.seq = current_last AND e.call_id = e_call_id
+                AND e.kind = 'released') OR EXISTS (
+                SELECT 1 FROM events e WHERE e.call_id = e_call_id AND e.seq > current_last
+                AND e.kind IN ('pending', 'committed', 'unknown', 'released')))) THEN
             RETURN QUERY SELECT 'log'::text, h_seq, NULL::text, h_hash, h_gen, {_NO_ROW}, NULL::text;
             RETURN;
         END IF;

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from guard.store import TRANSITIONS
 
@@ -62,16 +63,37 @@ _TYPES = {"seq": "bigint", "attempt": "integer", "last_seq": "bigint"}
 def _casts(columns: Sequence[str]) -> str:
     return ", ".join(f"%s::{_TYPES.get(c, 'text')}" for c in columns)
 
-def _cas_append(project: bool, absent: bool, relaxed: bool) -> str:
+_CHANGING = "kind IN ('pending', 'committed', 'unknown', 'released')"  # the kinds that move a call's record
+
+# What a compare-and-set requires of the call, besides the head: nothing (the call this object
+# wrote last, whose record an unmoved head leaves as it was); "absent", no record; "written", the
+# record this object wrote earlier (see Writes._written_record); "released", a released record
+# read by a compare-and-set that failed, which the log must bear out.
+CasCheck = Literal["", "absent", "written", "released"]
+
+def _cas_append(project: bool, check: CasCheck, relaxed: bool) -> str:
     # The head as this object left it, by its seq and its hash: after a crash of the server lost the
     # last events (those not committed synchronously), other writers can bring the head back to the
     # same seq, with other events.
     head = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1 AND seq = %s AND hash = %s AND generation = %s"
-    if absent:
+    if check == "absent":
         # A call with no projection row whose log has no state-changing event either: a row deleted
         # by hand makes the compare-and-set fail, and the locked path folds the call's events.
         head += (" AND NOT EXISTS (SELECT 1 FROM calls WHERE call_id = %s) AND NOT EXISTS (SELECT 1 FROM events "
-                 "WHERE call_id = %s AND kind IN ('pending', 'committed', 'unknown', 'released'))")
+                 f"WHERE call_id = %s AND {_CHANGING})")
+    elif check == "written":
+        # The call's row still ends at the event this object wrote (by its seq and hash: a crash may
+        # have lost that event and others filled its seq), and the log has no later event that
+        # changed the call, whatever its row says (a row put back by hand must not hide one).
+        head += (" AND EXISTS (SELECT 1 FROM calls c JOIN events e ON e.seq = c.last_seq WHERE c.call_id = %s "
+                 "AND c.last_seq = %s AND e.hash = %s) AND NOT EXISTS (SELECT 1 FROM events WHERE call_id = %s "
+                 f"AND seq > %s AND {_CHANGING})")
+    elif check == "released":
+        # A row released by hand must not let the call run: the call's last state-changing event
+        # must be the release the row ends at.
+        head += (" AND EXISTS (SELECT 1 FROM calls c JOIN events e ON e.seq = c.last_seq WHERE c.call_id = %s "
+                 "AND c.last_seq = %s AND e.call_id = c.call_id AND e.kind = 'released') AND NOT EXISTS "
+                 f"(SELECT 1 FROM events WHERE call_id = %s AND seq > %s AND {_CHANGING})")
     if relaxed:
         # The statement is its own transaction (autocommit), so SET LOCAL cannot precede it; this
         # sets the same for the transaction it runs in.
@@ -94,7 +116,10 @@ def _cas_append(project: bool, absent: bool, relaxed: bool) -> str:
         "FROM chain_head h LEFT JOIN calls c ON c.call_id = %s WHERE h.id = 1"
     )
 
-_CAS_APPEND = {(p, a, r): _cas_append(p, a, r) for p in (False, True) for a in (False, True) for r in (False, True)}
+_CHECKS: tuple[CasCheck, ...] = ("", "absent", "written", "released")
+
+_CAS_APPEND = {(p, c, r): _cas_append(p, c, r)
+               for p in (False, True) for c in _CHECKS for r in (False, True)}
 
 _SET_HEAD = "UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 from guard.store import CallRecord
 
@@ -71,6 +72,8 @@ class PostgresJournal(Writes, Reads, Checking, Opening, Reconciling):
         # the hash of the record's last event where it is known.
         self._recent: tuple[_Head, str | None, CallRecord | None, str | None] | None = None
         self._skip_cas = 0
+        # Records of calls this object wrote lately, with the hash of each one's last event.
+        self._written: dict[str, tuple[CallRecord, str]] = {}
         self._taken = 0  # leases taken by this object, for the sweep of those run out
         # Whether this object's sessions have the server-side append (a login that may not make
         # temporary objects does without it), and a seq at or before the head: every event this
@@ -85,6 +88,7 @@ class PostgresJournal(Writes, Reads, Checking, Opening, Reconciling):
         self.pool_size = pool_size
         self._pid = os.getpid()
         self._pool = self._make_pool()
+        self._writers, self._holders = threading.local(), weakref.WeakSet()  # see Connection._writer_conn
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -95,6 +99,7 @@ class PostgresJournal(Writes, Reads, Checking, Opening, Reconciling):
                 return
             self._closed = True
         if os.getpid() == self._pid:
+            self._release_writers()
             self._pool.close()
 
     def __enter__(self) -> PostgresJournal:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -16,7 +17,7 @@ from psycopg import errors as pg_errors
 from guard.canonical import NotCanonical
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at
 
-from ..chain import GENESIS, hash_of
+from ..chain import GENESIS
 from ..errors import JournalError, StoreBusy, unstorable
 from ..events import JournalEvent
 from ..rebuilding import as_logged
@@ -43,11 +44,24 @@ from .sql import (
     _LOCK_HEAD,
     _LOGGED,
     _RELAXED,
+    CasCheck,
 )
 
 _NO_RECORD_NEEDED = frozenset({"refused", "replayed"})  # they never change a call's record
 
 _SKIP_AFTER_CONFLICT = 8  # writes that wait for the lock after another writer moved the head
+
+# Calls whose record this object remembers from its own writes: a replay or a refusal of one of
+# them, or its next attempt, is decided at once and appended in one round trip. A retry comes soon
+# after its call; a few hundred records are a few hundred KiB for typical values.
+_WRITTEN_CALLS = 512
+
+
+def _check_of(record: CallRecord | None) -> CasCheck:
+    """What a compare-and-set requires of a call whose record ``record`` it read at the head."""
+    if record is None:
+        return "absent"
+    return "released" if record.status == "released" else ""
 
 
 class Writes(Leases, Resolving):
@@ -165,12 +179,15 @@ class Writes(Leases, Resolving):
                 self._floor = after = int(row[1])
                 self._recent, last_head = None, None
                 record, last_hash = None, None
+                self._forget_written()
             else:
                 record = None if row[5] is None else self._decoded(record_from_row, row[5:5 + len(CALL_COLUMNS)])
                 last_hash = row[5 + len(CALL_COLUMNS)]
         seq, prev, digest = int(row[1]), str(row[2]), str(row[3])
         stored, _ = placed(event, prepared, seq, prev, digest)
-        if hash_of(stored) != digest:  # the server hashed other bytes than the chain's rule covers
+        # The chain's rule over the event's canonical body at its seq: the bytes the server was sent.
+        if hashlib.sha256(b"".join((prev.encode("ascii"), body_head, str(seq).encode(), body_tail))
+                          ).hexdigest() != digest:
             raise JournalError(f"cannot {doing}: the journal {self.name} stored event {seq} with the hash "
                                f"{digest}, which is not the chain's; run verify")
         self._floor = max(self._floor, seq)
@@ -191,7 +208,7 @@ class Writes(Leases, Resolving):
         a first call still running there finds the second's."""
         self._check_writable(doing)
         for attempt in (1, 2):
-            conn = self._getconn(doing)
+            conn = self._writer_conn(doing)
             try:
                 row = conn.execute(_CALL_APPEND_FN, params).fetchone()
                 assert row is not None  # the function returns one row
@@ -212,23 +229,32 @@ class Writes(Leases, Resolving):
                     raise _ConnectionLost(str(self._translate(e, doing))) from e
                 raise self._translate(e, doing) from e
             finally:
-                self._pool.putconn(conn)
+                self._writer_done(conn)
         raise AssertionError("unreachable")
 
     def _try_append(self, head: _Head, record: CallRecord | None, event: EffectEvent, doing: str,
-                    absent: str | None = None, known: bool = True) -> tuple[JournalEvent | None, _Seen | None]:
-        """Append ``event`` after ``head`` in one round trip, if the head is still there (and the
-        call ``absent`` has no record). Returns the stored event, or None (and then nothing was
-        written) with what the statement found: the head and the call's record, to try again with
-        (None when the connection was lost). ``known``: ``record`` is the call's (else it was not
-        read: a refusal or a replay of a call this object did not write last)."""
+                    check: CasCheck = "", known: bool = True,
+                    last_hash: str | None = None) -> tuple[JournalEvent | None, _Seen | None]:
+        """Append ``event`` after ``head`` in one round trip, if the head is still there and the
+        call is as ``check`` requires ("absent": it has no record; "written": its record is still
+        ``record``, whose last event has the hash ``last_hash``; "released": ``record``, released,
+        is borne out by the log). Returns the stored event, or None
+        (and then nothing was written) with what the statement found: the head and the call's
+        record, to try again with (None when the connection was lost). ``known``: ``record`` is the
+        call's (else it was not read: a refusal or a replay of a call this object does not know)."""
         stored, row = stamp(event, head.seq + 1, head.hash)
         updated = apply(record, event, stored.seq) if event.call_id is not None else None
         project = updated is not None and updated is not record
         cas: tuple[Any, ...] = (stored.seq, stored.hash, head.seq, head.hash, head.generation)
-        if absent is not None:
-            cas += (absent, absent)
-        statement = _CAS_APPEND[project, absent is not None, event.kind != "pending"]
+        if check == "absent":
+            cas += (event.call_id, event.call_id)
+        elif check == "written":
+            assert record is not None and last_hash is not None  # a written record is kept with its hash
+            cas += (event.call_id, record.last_seq, last_hash, event.call_id, record.last_seq)
+        elif check == "released":
+            assert record is not None
+            cas += (event.call_id, record.last_seq, event.call_id, record.last_seq)
+        statement = _CAS_APPEND[project, check, event.kind != "pending"]
         params = (*cas, *row, *call_row(updated)) if updated is not None and project else (*cas, *row)
         try:
             result = self._single_statement(doing, statement, (*params, event.call_id))
@@ -251,7 +277,9 @@ class Writes(Leases, Resolving):
             self._remember(after, event.call_id, updated, True, stored.hash)
         else:  # the record as it was: the hash of its last event is known if this object had it
             prior = self._recent
-            last_hash = prior[3] if prior is not None and prior[1] == event.call_id and prior[2] is record else None
+            if check != "written":
+                last_hash = (prior[3] if prior is not None and prior[1] == event.call_id and prior[2] is record
+                             else None)
             self._remember(after, event.call_id, record, known, last_hash)
         return stored, None
 
@@ -261,6 +289,23 @@ class Writes(Leases, Resolving):
         a record not read is never remembered as the call's, so the next begin checks for one),
         whose last event has the hash ``last_hash`` (None: not known)."""
         self._recent = (head, call_id, record, last_hash) if known else (head, None, None, None)
+        if known and call_id is not None and record is not None and last_hash is not None:
+            with self._lock:
+                written = self._written
+                written.pop(call_id, None)  # the newest last, so the oldest is the one let go
+                written[call_id] = (record, last_hash)
+                if len(written) > _WRITTEN_CALLS:
+                    del written[next(iter(written))]
+
+    def _written_record(self, call_id: str) -> tuple[CallRecord, str] | None:
+        """The record this object last wrote for ``call_id`` and the hash of its last event, if it
+        still remembers them: it was current then, and is checked to be still (see _CAS_APPEND)."""
+        with self._lock:
+            return self._written.get(call_id)
+
+    def _forget_written(self) -> None:
+        with self._lock:
+            self._written.clear()
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         """Read the call's record, let ``decide`` choose, append its event, atomically: no other
@@ -284,14 +329,19 @@ class Writes(Leases, Resolving):
         doubt: JournalEvent | None = None
         doubted: Decision | None = None
         if recent is not None and self._skip_cas <= 0:
-            head, known_id, record, _ = recent
-            absent: str | None = None if known_id == call_id else call_id
-            if absent is not None:
-                record = None  # decided as for a call never seen; the append checks that it is not
+            head, known_id, record, last_hash = recent
+            check: CasCheck = ""
+            if known_id != call_id:
+                written = self._written_record(call_id)
+                if written is not None:  # a call this object wrote before: the append checks its record
+                    (record, last_hash), check = written, "written"
+                else:  # decided as for a call never seen; the append checks that it is not
+                    record, check = None, "absent"
             for _ in range(2):
                 decision = _uniquely_timed(decide(record))
                 try:
-                    stored, seen = self._try_append(head, record, decision.event, doing, absent=absent)
+                    stored, seen = self._try_append(head, record, decision.event, doing, check=check,
+                                                    last_hash=last_hash)
                 except _InDoubt as e:
                     doubt, doubted = e.event, decision
                     break
@@ -301,8 +351,9 @@ class Writes(Leases, Resolving):
                     break
                 # The head the statement found, and the record as of that head: current while the
                 # head does not move again (every change of the projection moves it).
-                # A new call is still checked against the log: a row deleted by hand must not let it run.
-                (head, record), absent = seen, (call_id if seen[1] is None else None)
+                # A call the record lets run is still checked against the log: a row deleted or
+                # released by hand must not let it run.
+                (head, record), check = seen, _check_of(seen[1])
         self._skip_cas = max(0, self._skip_cas - 1)
         decisions: list[Decision] = []
 
@@ -361,10 +412,14 @@ class Writes(Leases, Resolving):
 
     def _known_record(self, call_id: str | None) -> tuple[bool, CallRecord | None, str | None]:
         """Whether this object wrote ``call_id`` last, the call's record as that write left it, and
-        the hash of that record's last event where known; (False, None, None) for another call."""
+        the hash of that record's last event where known; for a call this object wrote before,
+        (False, its record then, that hash); else (False, None, None)."""
         recent = self._recent
         if recent is not None and call_id is not None and recent[1] == call_id:
             return True, recent[2], recent[3]
+        written = self._written_record(call_id) if call_id is not None else None
+        if written is not None:
+            return False, *written
         return False, None, None
 
     def get(self, call_id: str) -> CallRecord | None:
