@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import sqlite3
 from collections.abc import Iterator, Sequence
 from datetime import datetime
@@ -18,7 +17,8 @@ from ..chain import GENESIS
 from ..errors import (
     JournalError,
 )
-from ..export import check_redact, csv_header, csv_lines, jsonl_lines, one_line_each
+from ..export import LineCloser, check_redact, csv_header, csv_lines, jsonl_lines, utf8_lines
+from ..read_ahead import read_ahead
 from ..reading import LogReads, event_filter
 from . import schema
 from .connection import _FULL, _NORMAL, Connection
@@ -27,9 +27,16 @@ from .sql import _EVENT_COLUMNS, _SELECT_HEAD
 _BATCH = 1000
 
 _EXPORT_BYTES = 1 << 20  # about a megabyte of lines a batch
+_EXPORT_ROWS = 100  # events a page: bounded by events, as an event may hold a megabyte of arguments
+# An aggregate takes its rows in the order asked for where SQLite can be told (3.44); before, in
+# the order of the subquery it reads, which is ordered by seq.
+_IN_ORDER = " ORDER BY seq" if sqlite3.sqlite_version_info >= (3, 44, 0) else ""
 
 def _fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any]) -> list[Any]:
     return conn.execute(sql, params).fetchall()
+
+def _fetch_one(conn: sqlite3.Connection, sql: str, params: Sequence[Any]) -> Any:
+    return conn.execute(sql, params).fetchone()
 
 def _event_filter(
     call_id: str | None, tool: str | None, agent_id: str | None, since: datetime | None,
@@ -54,41 +61,54 @@ class Reads(Connection, LogReads):
     ) -> Iterator[tuple[bytes, int]]:
         """The JSON Lines export of the filtered events, in batches: (the lines, how many).
 
-        SQLite writes each line's JSON itself (``json()`` also checks every stored JSON text), so
-        only the two digests are computed here; the lines hold the same values as
-        :meth:`JournalEvent.export`. A stored text that is not JSON raises :class:`JournalError`
-        naming the event.
+        SQLite writes each line's JSON itself (``json()`` also checks every stored JSON text), a page
+        of lines as one value, on a thread that reads ahead; only the two digests are computed
+        here. The bytes are those of :func:`journal.export.jsonl_lines` over :meth:`event_rows`,
+        each line kept one line (:func:`journal.export.one_line_each`). A stored text that is not
+        JSON raises :class:`JournalError` naming the event.
         """
         check_redact(redact)
         where, params = _event_filter(call_id, tool, agent_id, since, until, 0)
         shown = {name: "NULL" if name in redact else f"json({name})" for name in ("arguments", "value")}
         redacted = orjson.dumps(sorted(redact)).decode()
-        # The two digests, computed here, close each line (as journal.export.jsonl_lines puts them).
-        sql = (
-            "SELECT seq, json_object('seq', seq, 'at', at, 'call_id', call_id, 'kind', kind, 'tool', tool, "
+        # Each line without its closing brace (the last field is the 'redacted' list, so rtrim takes
+        # one brace): the two digests, computed here, close it (as journal.export.jsonl_lines puts them).
+        line = (
+            "rtrim(json_object('seq', seq, 'at', at, 'call_id', call_id, 'kind', kind, 'tool', tool, "
             "'agent_id', agent_id, 'idempotency_key', idempotency_key, "
             f"'arguments', {shown['arguments']}, 'value', {shown['value']}, 'error', json(error), "
             "'reason', json(reason), 'actor', actor, 'attempt', attempt, 'owner', json(owner), "
-            f"'prev_hash', prev_hash, 'hash', hash, 'redacted', json('{redacted}')), arguments, value "
-            f"FROM events WHERE {where} AND seq <= ? ORDER BY seq"
+            f"'prev_hash', prev_hash, 'hash', hash, 'redacted', json('{redacted}')), '}}')"
         )
-        sha256 = hashlib.sha256
-        parts: list[str] = []
+        rows_sql = f"SELECT seq, {line} AS line, arguments, value FROM events WHERE {where} AND seq <= ? ORDER BY seq"
+        # A page is three values: its lines, its arguments and its values, each joined by U+0001, which
+        # no JSON text holds (json() checked them; json_valid those it did not show), an empty text
+        # standing for none. So SQLite builds a page in one step, without the GIL, while Python
+        # closes the last one.
+        checked = " AND ".join(f"({name} IS NULL OR json_valid({name}))" for name in sorted(redact)) or "1"
+        page_sql = (
+            f"SELECT max(seq), count(*), min({checked}), group_concat(line, char(1){_IN_ORDER}), "
+            f"group_concat(coalesce(arguments, ''), char(1){_IN_ORDER}), "
+            f"group_concat(coalesce(value, ''), char(1){_IN_ORDER}) FROM ({rows_sql} LIMIT {_EXPORT_ROWS})"
+        )
+        closer = LineCloser()
+        pending: list[str] = []
         size = count = 0
         try:
-            for rows in self._snapshot_rows(sql, params, 100):
-                for _, line, arguments, value in rows:
-                    parts.append(line[:-1])
-                    parts.append(',"arguments_sha256":null' if arguments is None
-                                 else ',"arguments_sha256":"' + sha256(arguments.encode()).hexdigest() + '"')
-                    parts.append(',"value_sha256":null}\n' if value is None
-                                 else ',"value_sha256":"' + sha256(value.encode()).hexdigest() + '"}\n')
-                    size += len(line)
-                count += len(rows)
+            for after, (last, n, clean, lines, arguments, values) in read_ahead(
+                    self._snapshot_pages(page_sql, params, _EXPORT_ROWS)):
+                page = lines.split("\x01"), arguments.split("\x01"), values.split("\x01")
+                if clean and len(page[0]) == len(page[1]) == len(page[2]) == n:
+                    text = closer.joined(*page)
+                else:  # a redacted stored text that is not JSON: the page read row by row
+                    text = closer.lines(self._rows_between(rows_sql, params, after, last))
+                pending.append(text)
+                size += len(text)
+                count += n
                 # Bounded by bytes, not events: an event may hold a megabyte of arguments.
                 if size >= _EXPORT_BYTES:
-                    yield one_line_each("".join(parts).encode()), count
-                    parts, size, count = [], 0, 0
+                    yield utf8_lines("".join(pending)), count
+                    pending, size, count = [], 0, 0
         except (sqlite3.Error, JournalError) as e:
             cause = e.__cause__ if isinstance(e, JournalError) else e
             if isinstance(cause, sqlite3.Error) and "JSON" in str(cause):
@@ -99,7 +119,36 @@ class Reads(Connection, LogReads):
                 raise
             raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
         if count:
-            yield one_line_each("".join(parts).encode()), count
+            yield utf8_lines("".join(pending)), count
+
+    def _snapshot_pages(self, sql: str, params: Any, batch: int) -> Iterator[tuple[int, tuple[Any, ...]]]:
+        """The pages of ``sql``, an aggregate over at most ``batch`` rows after the ``seq >`` cursor
+        ``params[0]`` (its last placeholder ``seq <=`` the head) whose first columns are
+        ``max(seq), count(*)``: each page as ``(after, its row)``, its rows those with
+        ``after < seq <= max(seq)``. One snapshot, read as :meth:`_snapshot_rows` reads it."""
+        with self._lock:
+            self._connection()
+        reader = self._connect(schema.reader_uri(self._file), uri=True)
+        try:
+            head = self._retry(reader, lambda: reader.execute(_SELECT_HEAD).fetchone())
+            if head is None:
+                return
+            after, filters, top = params[0], list(params[1:]), head[0]
+            while True:
+                page = self._retry(reader, functools.partial(_fetch_one, reader, sql, (after, *filters, top)))
+                if page[1]:
+                    yield after, page
+                if page[1] < batch:
+                    return
+                after = page[0]
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                reader.close()
+
+    def _rows_between(self, sql: str, params: Any, after: int, last: int) -> list[tuple[Any, ...]]:
+        """The rows of ``sql`` (placeholders as :meth:`_snapshot_pages` takes them) with
+        ``after < seq <= last``."""
+        return self._read(lambda c: c.execute(sql, (after, *params[1:], last)).fetchall())
 
     def _snapshot_rows(self, sql: str, params: Any, batch: int) -> Iterator[list[tuple[Any, ...]]]:
         """The rows of ``sql`` (its first column ``seq``; ``params[0]`` the ``seq >`` cursor and its
