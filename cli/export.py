@@ -37,23 +37,29 @@ def write_events(
     else:
         batches = journal.export_lines(redact=redact, **filters)
     written = 0
-    for chunk, count in batches:
-        write_all(out, chunk)
-        written += count
-        if advance is not None and count:
-            advance(count)
+    try:
+        for chunk, count in batches:
+            write_all(out, chunk)
+            written += count
+            if advance is not None and count:
+                advance(count)
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()  # a write that failed stops the journal's reading at once, before the journal is closed
     return written
 
 
 def write_all(out: BinaryIO, chunk: bytes) -> None:
     """Write all of ``chunk``: a write to stdout may come back short (a pipe whose reader left, a
     full disk), and the retry then raises the error that a cut output must not hide."""
+    written = out.write(chunk)  # bytes whole, not a view: a tally of what is written then copies nothing
     view = memoryview(chunk)
-    while view:
-        written = out.write(view)
+    while written != len(view):
         if not written:
             raise OSError(f"the output took no more bytes after {len(chunk) - len(view)} of a batch")
         view = view[written:]
+        written = out.write(view)
 
 
 class NotJsonLines(ValueError):
