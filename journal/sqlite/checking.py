@@ -57,8 +57,11 @@ class Checking(Connection):
                 report = self._retry(snapshot, lambda: self._verify(snapshot, advance))
             except JournalDamaged:
                 # SQLite could not read a page the pass needed (an index, read by call id): the file
-                # is marked, and SQLite's own check says what it finds.
+                # is marked, and SQLite's own check says what it finds. A text that is not UTF-8
+                # is no damage of SQLite's pages: its own message names it.
                 found = self._retry(snapshot, lambda: snapshot.execute("PRAGMA quick_check").fetchall())
+                if found == [("ok",)]:
+                    raise
                 return VerifyReport(ok=False, events=0, head=str(head[1]) if head is not None else GENESIS,
                                     first_bad_seq=None, problem=f"SQLite finds the file damaged: {found[0][0]}")
             return self._undamaged(snapshot, report)
