@@ -64,9 +64,15 @@ def test_a_fork_while_another_thread_writes_gives_a_child_that_can_write(tmp_pat
     busy = SQLiteJournal(path, durability="process")
     mine = busy if objects == "shared" else SQLiteJournal(path, durability="process", busy_timeout=2)
     stop = threading.Event()
+    # The writer is in the middle of its writes when each fork comes, and then holds off until the
+    # child has answered: a thread that writes without a pause would keep the file's write lock
+    # nearly all the time, and SQLite lets a waiting process take it only between two commits.
+    go = threading.Event()
+    go.set()
 
     def write() -> None:
         while not stop.is_set():
+            go.wait()
             busy.append(refusal())
 
     writer = threading.Thread(target=write)
@@ -87,12 +93,16 @@ def test_a_fork_while_another_thread_writes_gives_a_child_that_can_write(tmp_pat
                     answer = type(e).__name__.encode()
                 os.write(write_end, answer)
                 os._exit(0)
+            go.clear()
             os.close(write_end)
             os.waitpid(pid, 0)
             answers.append(os.read(read_end, 100).decode() or "no answer")
             os.close(read_end)
+            go.set()
+            time.sleep(0.02)  # writing again before the next fork
     finally:
         stop.set()
+        go.set()
         writer.join()
     assert answers == ["ok"] * 8
     assert {f"child-{n}" for n in range(8)} <= {e.call_id for e in busy.events()}
