@@ -100,6 +100,7 @@ class LogReads:
     _placeholder = "?"  # the driver's placeholder
     _unlimited = "-1"  # what LIMIT takes for all rows
     _nul = True  # whether the database holds a NUL in a text
+    _sort_apart = "+"  # before a column of ORDER BY: sort the rows, the column's index unused
 
     def _rows(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         """The rows of one statement (``doing`` names it in an error)."""
@@ -124,7 +125,10 @@ class LogReads:
         after skipping the first ``offset`` (the pages of a long list)."""
         clauses, params = call_filter(self._placeholder, self._nul, status, tool, agent_id, since)
         sql = _CALLS + (" WHERE " + " AND ".join(clauses) if clauses else "")
-        sql += " ORDER BY updated_at DESC, call_id DESC" + page(limit, offset, self._unlimited)
+        # Every call of some statuses: one scan and a sort of those, not a walk of the whole
+        # projection in the order of its index on updated_at (twice as slow on SQLite).
+        newest = self._sort_apart if limit is None and status is not None else ""
+        sql += f" ORDER BY {newest}updated_at DESC, call_id DESC" + page(limit, offset, self._unlimited)
         return [self._decoded(record_from_row, row) for row in self._rows("read the calls", sql, params)]
 
     def event_rows(

@@ -42,7 +42,7 @@ class PostgresJournal(Writes, Reads, Checking, Opening, Reconciling):
 
     offload_async = True
 
-    _placeholder, _unlimited, _nul = "%s", "ALL", False  # see journal.reading.LogReads
+    _placeholder, _unlimited, _nul, _sort_apart = "%s", "ALL", False, ""  # see journal.reading.LogReads
 
     def __init__(
         self,
