@@ -95,8 +95,13 @@ class GroupCommit(Connection):
         """
         lock = self._lock
         depth = _held(lock)
-        if not depth and not self._requests and lock.acquire(blocking=False):
-            return self._alone(step)  # no other thread writing or waiting: nothing to combine
+        if not depth and not self._requests:
+            try:
+                if lock.acquire(blocking=False):
+                    return self._alone(step)  # no other thread writing or waiting: nothing to combine
+            finally:
+                if _held(lock) > depth:  # see _write: an interrupt can come as acquire() returns
+                    lock.release()
         request = _Request(step, time.monotonic() + self.busy_timeout)
         self._requests.append(request)
         try:
@@ -126,18 +131,14 @@ class GroupCommit(Connection):
 
     def _alone(self, step: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
         """:meth:`_combined` for a thread that took the free lock with no write waiting: its write
-        in a transaction of its own, without the queue. Releases the lock."""
+        in a transaction of its own, without the queue. The caller holds the lock."""
         try:
             result = self._transaction(self._connection(), _NORMAL, step)
         finally:
-            try:
-                if self._counted != self._committed:  # counted even when an interrupt followed COMMIT
-                    self._written += 1
-                    self._counted = self._committed
-                ticket = self._written
-            finally:
-                self._lock.release()
-        return result, ticket
+            if self._counted != self._committed:  # counted even when an interrupt followed COMMIT
+                self._written += 1
+                self._counted = self._committed
+        return result, self._written
 
     def _run_requests(self, own: _Request) -> None:
         """Under the lock: make every waiting write, in one transaction when they all succeed.
