@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from guard.canonical import canonical_bytes
-from guard.store import CallRecord, EffectEvent, current_owner, format_at, parse_at
+from guard.store import TRANSITIONS, CallRecord, EffectEvent, current_owner, format_at, parse_at
 
 from .chain import body_bytes, compute_hash, event_body
 from .errors import CallNotFound, NotResolvable
@@ -25,6 +25,7 @@ from .owner import owner_alive
 
 __all__ = [
     "CALL_COLUMNS",
+    "CHANGING_KINDS",
     "EVENT_COLUMNS",
     "call_row",
     "canonical_text",
@@ -43,6 +44,8 @@ EVENT_COLUMNS = ("seq", "at", "call_id", "kind", "tool", "agent_id", "idempotenc
                  "error", "reason", "actor", "attempt", "owner", "prev_hash", "hash")
 CALL_COLUMNS = ("call_id", "tool", "status", "attempt", "agent_id", "idempotency_key", "arguments", "value",
                 "error", "reason", "actor", "owner", "created_at", "updated_at", "since", "last_seq")
+# The kinds of event that change a call's record (the ones the fold takes), as an SQL list.
+CHANGING_KINDS = "(" + ", ".join(f"'{kind}'" for kind in sorted(TRANSITIONS)) + ")"
 
 _SORTED = orjson.OPT_SORT_KEYS
 

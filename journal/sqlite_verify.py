@@ -24,13 +24,11 @@ from typing import Any
 
 import orjson
 
-from guard.store import TRANSITIONS
-
 from . import archive, verifying
 from .chain import GENESIS
 from .events import VerifyReport
 from .projection import FOLD_COLUMNS, fold_calls
-from .rows import CALL_COLUMNS, EVENT_COLUMNS
+from .rows import CALL_COLUMNS, CHANGING_KINDS, EVENT_COLUMNS
 from .sqlite import schema
 
 __all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "check_part", "child_said_ok", "start_part", "verify_snapshot"]
@@ -43,11 +41,10 @@ PATIENCE = 60.0
 _EVENT_COLUMNS = ", ".join(EVENT_COLUMNS)
 _CALL_COLUMNS = ", ".join(CALL_COLUMNS)
 _FOLD_COLUMNS = ", ".join(FOLD_COLUMNS)
-_TRANSITIONS = "(" + ", ".join(f"'{kind}'" for kind in sorted(TRANSITIONS)) + ")"  # the kinds a fold takes
 
 
 # The log by call id, as verify folds it: the events that can change a record, each call's together.
-BY_CALL = (f"SELECT {_FOLD_COLUMNS} FROM events WHERE call_id IS NOT NULL AND kind IN {_TRANSITIONS} "
+BY_CALL = (f"SELECT {_FOLD_COLUMNS} FROM events WHERE call_id IS NOT NULL AND kind IN {CHANGING_KINDS} "
            "ORDER BY call_id, seq")
 
 
@@ -126,7 +123,7 @@ def _projection_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -
     bounds = {"lo": lo, "hi": hi}
     log_end = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
     records = fold_calls(conn.execute(
-        f"SELECT {_FOLD_COLUMNS} FROM events WHERE {where} AND kind IN {_TRANSITIONS} ORDER BY call_id, seq", bounds
+        f"SELECT {_FOLD_COLUMNS} FROM events WHERE {where} AND kind IN {CHANGING_KINDS} ORDER BY call_id, seq", bounds
     ))
     if part == 0 and conn.execute("SELECT 1 FROM calls WHERE call_id IS NULL LIMIT 1").fetchone() is not None:
         return False  # a row without a call id: the log cannot have produced it

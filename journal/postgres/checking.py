@@ -1,5 +1,4 @@
-"""Checking a PostgreSQL journal against its log, rebuilding its projection, and importing a copied log.
-"""
+"""Checking a PostgreSQL journal against its log, rebuilding its projection, and importing a copied log."""
 
 from __future__ import annotations
 

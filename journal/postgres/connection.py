@@ -1,5 +1,4 @@
-"""The PostgreSQL journal's connections: the pool, transactions, and the one place errors are translated.
-"""
+"""The PostgreSQL journal's connections: the pool, transactions, and the one place errors are translated."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The head of the log as a writer knows it, and events stamped so that no two of one process are alike.
-"""
+"""The head of the log as a writer knows it, and events stamped so that no two of one process are alike."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Leases on a PostgreSQL journal, timed by the server's clock.
-"""
+"""Leases on a PostgreSQL journal, timed by the server's clock."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Opening a PostgreSQL journal: the database's encoding, the schema the session reaches, and what it holds.
-"""
+"""Opening a PostgreSQL journal: the database's encoding, the schema the session reaches, and what it holds."""
 
 from __future__ import annotations
 

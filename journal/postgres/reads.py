@@ -1,5 +1,4 @@
-"""The PostgreSQL journal's reads for operators.
-"""
+"""The PostgreSQL journal's reads for operators."""
 
 from __future__ import annotations
 

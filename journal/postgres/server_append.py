@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..rows import (
     CALL_COLUMNS,
+    CHANGING_KINDS,
     EVENT_COLUMNS,
 )
 from .sql import _TYPES, _casts
@@ -76,12 +77,12 @@ BEGIN
         -- is released by the call's last such event (a row released by hand is not).
         IF (current_last IS NULL AND EXISTS (
                 SELECT 1 FROM events e WHERE e.call_id = e_call_id
-                AND e.kind IN ('pending', 'committed', 'unknown', 'released')))
+                AND e.kind IN {CHANGING_KINDS}))
            OR (current_status = 'released' AND (NOT EXISTS (
                 SELECT 1 FROM events e WHERE e.seq = current_last AND e.call_id = e_call_id
                 AND e.kind = 'released') OR EXISTS (
                 SELECT 1 FROM events e WHERE e.call_id = e_call_id AND e.seq > current_last
-                AND e.kind IN ('pending', 'committed', 'unknown', 'released')))) THEN
+                AND e.kind IN {CHANGING_KINDS}))) THEN
             RETURN QUERY SELECT 'log'::text, h_seq, NULL::text, h_hash, h_gen, {_NO_ROW}, NULL::text;
             RETURN;
         END IF;

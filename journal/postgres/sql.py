@@ -1,16 +1,14 @@
-"""The statements of the PostgreSQL journal: its reads, and its appends made by compare-and-set.
-"""
+"""The statements of the PostgreSQL journal: its reads, and its appends made by compare-and-set."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Literal
 
-from guard.store import TRANSITIONS
-
 from ..projection import FOLD_COLUMNS
 from ..rows import (
     CALL_COLUMNS,
+    CHANGING_KINDS,
     EVENT_COLUMNS,
 )
 
@@ -63,7 +61,7 @@ _TYPES = {"seq": "bigint", "attempt": "integer", "last_seq": "bigint"}
 def _casts(columns: Sequence[str]) -> str:
     return ", ".join(f"%s::{_TYPES.get(c, 'text')}" for c in columns)
 
-_CHANGING = "kind IN ('pending', 'committed', 'unknown', 'released')"  # the kinds that move a call's record
+_CHANGING = f"kind IN {CHANGING_KINDS}"  # the kinds that move a call's record
 
 # What a compare-and-set requires of the call, besides the head: nothing (the call this object
 # wrote last, whose record an unmoved head leaves as it was); "absent", no record; "written", the
@@ -133,8 +131,8 @@ _APPEND_AND_PROJECT = f"WITH event AS ({_INSERT_EVENT}), call AS ({_UPSERT_CALL}
 # The WAL is written in order, so only a tail of such events can be lost: never a hole in the chain.
 _RELAXED = b"SET LOCAL synchronous_commit = off"
 # Whether the log has an event of a call that changes its record (see Writes._lock_and_read).
-_LOGGED = ("SELECT 1 FROM events WHERE call_id = %s AND kind IN ('pending', 'committed', 'unknown', 'released') "
+_LOGGED = (f"SELECT 1 FROM events WHERE call_id = %s AND {_CHANGING} "
            "LIMIT 1")
 # The log by call id (ids in binary order, as the projection is read), each call's events together.
 _BY_CALL = (f"SELECT {', '.join(FOLD_COLUMNS)} FROM events WHERE call_id IS NOT NULL AND kind IN "
-            f"({', '.join(repr(kind) for kind in sorted(TRANSITIONS))}) ORDER BY call_id COLLATE \"C\", seq")
+            f"{CHANGING_KINDS} ORDER BY call_id COLLATE \"C\", seq")

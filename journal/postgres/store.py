@@ -1,5 +1,4 @@
-"""The PostgreSQL journal: one object that threads share, and what it is made of.
-"""
+"""The PostgreSQL journal: one object that threads share, and what it is made of."""
 
 from __future__ import annotations
 

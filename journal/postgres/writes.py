@@ -1,5 +1,4 @@
-"""The PostgreSQL journal's appends: compare-and-set on the head, the server-side append, or the head locked.
-"""
+"""The PostgreSQL journal's appends: compare-and-set on the head, the server-side append, or the head locked."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Checking a SQLite journal against its own log, and rebuilding its projection.
-"""
+"""Checking a SQLite journal against its own log, and rebuilding its projection."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The SQLite journal's connection: opening the file, transactions and their retries.
-"""
+"""The SQLite journal's connection: opening the file, transactions and their retries."""
 
 from __future__ import annotations
 

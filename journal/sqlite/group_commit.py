@@ -1,5 +1,4 @@
-"""Group commit: the writes of several threads in one transaction, the fsync of several commits in one.
-"""
+"""Group commit: the writes of several threads in one transaction, the fsync of several commits in one."""
 
 from __future__ import annotations
 

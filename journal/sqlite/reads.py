@@ -1,5 +1,4 @@
-"""The SQLite journal's reads for operators, and its exports.
-"""
+"""The SQLite journal's reads for operators, and its exports."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""The statements of the SQLite journal's writes and reads.
-"""
+"""The statements of the SQLite journal's writes and reads."""
 
 from __future__ import annotations
 
-_EVENT_COLUMNS = ("seq, at, call_id, kind, tool, agent_id, idempotency_key, arguments, value, error, reason, "
-                  "actor, attempt, owner, prev_hash, hash")
+from ..rows import CALL_COLUMNS, CHANGING_KINDS, EVENT_COLUMNS
 
-_CALL_COLUMNS = ("call_id, tool, status, attempt, agent_id, idempotency_key, arguments, value, error, reason, "
-                 "actor, owner, created_at, updated_at, since, last_seq")
+_EVENT_COLUMNS = ", ".join(EVENT_COLUMNS)
+_CALL_COLUMNS = ", ".join(CALL_COLUMNS)
 
 _INSERT_EVENT = f"INSERT INTO events ({_EVENT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 
@@ -38,7 +36,6 @@ _SWEEP_LEASES = ("DELETE FROM leases WHERE expires_at < ? AND call_id NOT IN "
                  "(SELECT call_id FROM calls WHERE status = 'pending')")
 
 # The kinds of event that change a call's record.
-_CHANGES = "('pending', 'committed', 'unknown', 'released')"
 _SELECT_HEAD = "SELECT seq, hash FROM events ORDER BY seq DESC LIMIT 1"
 
 _SELECT_RECENT = (
@@ -53,7 +50,7 @@ _SELECT_HEAD_AND_CALL = (
     # projection says the call never ran, or was released: it is not trusted alone there (see
     # _LOGGED_EVENTS).
     f"CASE WHEN calls.status IS NULL OR calls.status = 'released' THEN "
-    f"(SELECT 1 FROM events WHERE call_id = ?1 AND kind IN {_CHANGES}) END, "
+    f"(SELECT 1 FROM events WHERE call_id = ?1 AND kind IN {CHANGING_KINDS}) END, "
     + ", ".join(f"calls.{c}" for c in _CALL_COLUMNS.split(", "))
     + " FROM (SELECT 1) LEFT JOIN calls ON calls.call_id = ?1"
 )

@@ -1,5 +1,4 @@
-"""The SQLite journal: one object that threads share, and what it is made of.
-"""
+"""The SQLite journal: one object that threads share, and what it is made of."""
 
 from __future__ import annotations
 

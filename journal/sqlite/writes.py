@@ -1,5 +1,4 @@
-"""The SQLite journal's writes: a call's events and its projection row, in one transaction.
-"""
+"""The SQLite journal's writes: a call's events and its projection row, in one transaction."""
 
 from __future__ import annotations
 
