@@ -420,12 +420,10 @@ def test_a_pending_committed_just_before_close_is_durable_and_not_refused(tmp_pa
     # begin waits for its fsync: the checkpoint made the pending durable, so the call may go on.
     path = tmp_path / "j.db"
     journal = SQLiteJournal(path, durability="full")
-    from journal.sqlite.writes import _head_and_record
-
     journal.begin("c0", run_pending("c0"))  # type: ignore[arg-type]
 
     def record_pending(conn: Any) -> None:  # what begin's transaction does
-        head, record = _head_and_record(conn, "c1")
+        head, record = journal._head_and_record(conn, "c1")
         journal._append(conn, EffectEvent(kind="pending", call_id="c1", tool="t", attempt=1), record, head)
 
     _, ticket = journal._combined(record_pending)

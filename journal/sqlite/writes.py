@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -23,7 +23,7 @@ from ..leasing import SWEEP_EVERY, owner_state, unclaimable
 from ..rebuilding import as_logged
 from ..resolving import Choose, Resolving, stored_event
 from ..rows import holds, json_text, record_from_row
-from .connection import _FULL, _NORMAL, T
+from .connection import _FULL, _NORMAL
 from .group_commit import GroupCommit
 from .sql import (
     _DROP_LEASE,
@@ -45,37 +45,6 @@ from .sql import (
 def _plain(obj: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return obj if obj is None or type(obj) is dict else dict(obj)
 
-def _head_and_record(conn: sqlite3.Connection, call_id: str | None,
-                     journal: str = "") -> tuple[tuple[int, str], CallRecord | None]:
-    """Inside a write transaction: the log's (seq, hash) head and the current record of ``call_id``.
-
-    The record is the projection's, except where the projection lets the call run (no row, or
-    ``released``) and the log has a state-changing event of it: then it is the fold of the call's
-    events, so that a row deleted or released by hand never lets a call run again (see
-    docs/journal.md, "What a writer with the file can hide")."""
-    row = conn.execute(_SELECT_HEAD_AND_CALL, (call_id,)).fetchone()
-    head = (0, GENESIS) if row[0] is None else (row[0], row[1])
-    record = None
-    if row[3] is not None:
-        try:
-            record = record_from_row(row[3:])
-        except (ValueError, TypeError) as e:
-            raise JournalError(f"The stored record of the call {call_id!r} cannot be read ({e}); run verify.") from e
-    if row[2] is not None and call_id is not None and (record is None or record.status == "released"):
-        kept: dict[str, CallRecord] = {}
-        archive.SQLiteSnapshot(conn).seed(kept, call_id)
-        record = as_logged(call_id, record, kept.get(call_id), conn.execute(_LOGGED_EVENTS, (call_id,)), _decoded,
-                           journal)
-    return head, record
-
-
-def _decoded(decode: Callable[[Any], T], row: Any) -> T:
-    try:
-        return decode(row)
-    except (ValueError, TypeError) as e:
-        raise JournalError(f"A stored row of the journal cannot be read ({e}); run verify.") from e
-
-
 def _text(obj: Mapping[str, Any] | None, same: object, done: str | None) -> str | None:
     """The JSON text of ``obj``: ``done`` when it is the object ``same`` that text was made of."""
     return done if obj is same else json_text(obj)
@@ -89,6 +58,30 @@ class Writes(GroupCommit, Resolving):
     """The :class:`~guard.store.EffectStore` protocol, leases, settling and resolving: every write of a
     call's event, with the projection row it folds into, in one transaction."""
 
+    def _head_and_record(self, conn: sqlite3.Connection,
+                         call_id: str | None) -> tuple[tuple[int, str], CallRecord | None]:
+        """Inside a write transaction: the log's (seq, hash) head and the current record of ``call_id``.
+
+        The record is the projection's, except where the projection lets the call run (no row, or
+        ``released``) and the log has a state-changing event of it: then it is the fold of the call's
+        events, so that a row deleted or released by hand never lets a call run again (see
+        docs/journal.md, "What a writer with the file can hide")."""
+        row = conn.execute(_SELECT_HEAD_AND_CALL, (call_id,)).fetchone()
+        head = (0, GENESIS) if row[0] is None else (row[0], row[1])
+        record = None
+        if row[3] is not None:
+            try:
+                record = record_from_row(row[3:])
+            except (ValueError, TypeError) as e:
+                raise JournalError(
+                    f"The stored record of the call {call_id!r} cannot be read ({e}); run verify.") from e
+        if row[2] is not None and call_id is not None and (record is None or record.status == "released"):
+            kept: dict[str, CallRecord] = {}
+            archive.SQLiteSnapshot(conn).seed(kept, call_id)
+            record = as_logged(call_id, record, kept.get(call_id), conn.execute(_LOGGED_EVENTS, (call_id,)),
+                               self._decoded, str(self.path))
+        return head, record
+
     def begin(self, call_id: str, decide: Decide, lease: tuple[str, float] | None = None) -> Decision:
         """Decide and record one attempt of ``call_id`` atomically (see :class:`~guard.store.EffectStore`).
 
@@ -101,7 +94,7 @@ class Writes(GroupCommit, Resolving):
         """
 
         def step(conn: sqlite3.Connection) -> Decision:
-            head, record = _head_and_record(conn, call_id, str(self.path))
+            head, record = self._head_and_record(conn, call_id)
             decision = decide(record)
             if lease is not None and decision.event.kind == "pending":  # in the transaction of its pending
                 conn.execute(_TAKE_LEASE, (call_id, lease[0], time.time() + lease[1]))
@@ -121,7 +114,7 @@ class Writes(GroupCommit, Resolving):
         ``drop_lease``: the holder whose lease on the call ends with this outcome."""
 
         def step(conn: sqlite3.Connection) -> None:
-            head, record = _head_and_record(conn, event.call_id, str(self.path))
+            head, record = self._head_and_record(conn, event.call_id)
             self._append(conn, event, record, head)
             if drop_lease is not None:
                 conn.execute(_DROP_LEASE, (event.call_id, drop_lease))
@@ -203,7 +196,7 @@ class Writes(GroupCommit, Resolving):
         """See :class:`~journal.resolving.Resolving`: one write transaction, at the journal's durability."""
 
         def step(conn: sqlite3.Connection) -> JournalEvent | None:
-            head, record = _head_and_record(conn, call_id, str(self.path))
+            head, record = self._head_and_record(conn, call_id)
             event = choose(record, lambda: self._lease_alive(conn, record))
             if event is None:
                 return None
