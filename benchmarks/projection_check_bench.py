@@ -23,13 +23,14 @@ from pathlib import Path
 from guard import Airlock, AirlockContext, SecurityPolicy
 from guard.effect_guard import EffectGuard
 from journal import SQLiteJournal
-from journal.sqlite import sql, writes
+from journal.rows import CHANGING_KINDS
+from journal.sqlite import writes
 
 CHECKED = writes._SELECT_HEAD_AND_CALL
 # The same statement without the lookup: a NULL in its place, so the row keeps its shape.
 UNCHECKED = CHECKED.replace(
     "CASE WHEN calls.status IS NULL OR calls.status = 'released' THEN "
-    f"(SELECT 1 FROM events WHERE call_id = ?1 AND kind IN {sql._CHANGES}) END", "NULL")
+    f"(SELECT 1 FROM events WHERE call_id = ?1 AND kind IN {CHANGING_KINDS}) END", "NULL")
 assert UNCHECKED != CHECKED
 
 

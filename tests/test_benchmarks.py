@@ -1,5 +1,5 @@
 """The benchmark scripts run and print their figures: thread_ceiling.py (whose model records what the
-journal records), journal_bench.py and postgres_bench.py."""
+journal records), journal_bench.py, postgres_bench.py and projection_check_bench.py."""
 
 from __future__ import annotations
 
@@ -70,3 +70,15 @@ def test_postgres_bench_prints_the_ratios_and_the_fsync_the_target_needs(pg_dsn:
         assert label in out
     line = next(x for x in out.splitlines() if "a fresh call is within 2x of the floor" in x)
     assert "whatever" in line or float(line.split("takes ")[1].split(" ms")[0]) > 0
+
+
+def test_projection_check_bench_prints_the_ratio_of_each_path() -> None:
+    # It times the journal's write statement with the log lookup and with the lookup taken out of
+    # it: a statement that no longer holds the lookup stops it before it prints a figure.
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "projection_check_bench.py"), "--calls", "20",
+                             "--rounds", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    assert [(row[0], row[1]) for row in rows] == [("process", "fresh"), ("process", "replay"), ("full", "fresh"),
+                                                  ("full", "replay")]
+    assert all(row[-1].endswith("x") and float(row[-1][:-1]) > 0 for row in rows)
