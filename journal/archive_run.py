@@ -20,12 +20,11 @@ import orjson
 
 from guard.store import CallRecord
 
-from . import archive
+from . import archive, verifying
 from .archive import ArchivePlan, ArchiveStore
-from .chain import ChainCheck, ahead_of_log
+from .chain import ahead_of_log
 from .errors import JournalError
 from .events import VerifyReport
-from .export import row_hash
 from .projection import fold_row, record_row
 from .rows import CALL_COLUMNS, EVENT_COLUMNS
 from .sqlite import SQLiteJournal, schema
@@ -151,15 +150,7 @@ def check(journal: ArchiveStore) -> VerifyReport:
 
 def _checked(conn: sqlite3.Connection) -> VerifyReport:
     start = archive.sqlite_archived_head(conn)
-    chain = ChainCheck(start=start)
-    for row in conn.execute(f"SELECT {_EVENTS} FROM events ORDER BY seq"):
-        try:
-            expected = row_hash(row)
-        except (ValueError, TypeError, AttributeError) as e:
-            chain.fail(row[0], f"seq {row[0]} has been altered: a stored field cannot be read ({e})")
-            break
-        if not chain.feed(row[0], row[14], row[15], expected):
-            break
+    chain = verifying.check_chain(conn.execute(f"SELECT {_EVENTS} FROM events ORDER BY seq"), start=start)
     if not chain.ok:
         return chain.report()
     problem = _projection_problem(conn, start[0], chain.last_seq)
