@@ -18,3 +18,22 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
         yield made
     finally:
         close_store(made)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def seeded_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A journal seeded by ``tests.cli_support.seed_into``, named as ``--db`` takes it: a SQLite
+    file, or a PostgreSQL database."""
+    from tests.cli_support import seed, seed_into
+
+    if request.param == "sqlite":
+        path = tmp_path / "journal.db"
+        seed(path)
+        yield str(path)
+        return
+    dsn: str = request.getfixturevalue("pg_dsn")
+    from journal.postgres import PostgresJournal
+
+    with PostgresJournal(dsn) as journal:
+        seed_into(journal)
+    yield dsn

@@ -5,7 +5,6 @@ forgotten (a retry of an archived call is replayed or refused, never run again).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
 from contextlib import suppress
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -16,23 +15,13 @@ import pytest
 from journal import JournalError, open_journal
 from journal.archive import ArchiveStore
 from journal.chain import GENESIS
-from tests.cli_support import Tools, invoke, seed, seed_into
+from tests.cli_support import Tools, invoke, seed
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A seeded journal (see ``seed_into``): a SQLite file, or a PostgreSQL database."""
-    if request.param == "sqlite":
-        path = tmp_path / "journal.db"
-        seed(path)
-        yield str(path)
-        return
-    dsn: str = request.getfixturevalue("pg_dsn")
-    from journal.postgres import PostgresJournal
-
-    with PostgresJournal(dsn) as journal:
-        seed_into(journal)
-    yield dsn
+@pytest.fixture
+def db(seeded_db: str) -> str:
+    """A seeded journal: a SQLite file, or a PostgreSQL database (``seeded_db``)."""
+    return seeded_db
 
 
 def now() -> str:

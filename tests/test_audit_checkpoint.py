@@ -4,7 +4,6 @@ log: a log cut short or rewritten behind the journal's back is found, on both st
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +14,13 @@ from journal import open_journal
 from journal.chain import GENESIS
 from journal.export import row_hash
 from journal.rows import EVENT_COLUMNS
-from tests.cli_support import Tools, invoke, seed, seed_into
+from tests.cli_support import Tools, invoke, seed
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A seeded journal: a SQLite file, or a PostgreSQL database."""
-    if request.param == "sqlite":
-        path = tmp_path / "journal.db"
-        seed(path)
-        yield str(path)
-        return
-    dsn: str = request.getfixturevalue("pg_dsn")
-    from journal.postgres import PostgresJournal
-
-    with PostgresJournal(dsn) as journal:
-        seed_into(journal)
-    yield dsn
+@pytest.fixture
+def db(seeded_db: str) -> str:
+    """A seeded journal: a SQLite file, or a PostgreSQL database (``seeded_db``)."""
+    return seeded_db
 
 
 @pytest.fixture

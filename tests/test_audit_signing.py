@@ -7,7 +7,6 @@ import os
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import orjson
 import pytest
 
 from journal import SQLiteJournal, open_journal
-from tests.cli_support import ROOT, Tools, invoke, seed, seed_into
+from tests.cli_support import ROOT, Tools, invoke, seed
 
 KEY_HEX = 64
 
@@ -29,20 +28,10 @@ def key(tmp_path: Path) -> tuple[Path, str]:
     return path, made.stdout.strip()
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A seeded journal: a SQLite file, or a PostgreSQL database."""
-    if request.param == "sqlite":
-        path = tmp_path / "journal.db"
-        seed(path)
-        yield str(path)
-        return
-    dsn: str = request.getfixturevalue("pg_dsn")
-    from journal.postgres import PostgresJournal
-
-    with PostgresJournal(dsn) as journal:
-        seed_into(journal)
-    yield dsn
+@pytest.fixture
+def db(seeded_db: str) -> str:
+    """A seeded journal: a SQLite file, or a PostgreSQL database (``seeded_db``)."""
+    return seeded_db
 
 
 def signed_export(db: str, output: Path, key: Path, *args: str) -> Path:
