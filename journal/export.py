@@ -17,7 +17,7 @@ from .errors import JournalError
 from .events import REDACTABLE
 
 __all__ = ["CSV_COLUMNS", "LineCloser", "check_redact", "csv_cell", "csv_cells", "csv_header", "csv_lines",
-           "jsonl_lines", "one_line_each", "row_hash", "utf8_lines"]
+           "hash_of_row", "jsonl_lines", "one_line_each", "row_hash", "utf8_lines"]
 
 # The CSV columns, in this order: section 3's fields, each digest of a JSON value beside it.
 CSV_COLUMNS: tuple[str, ...] = (
@@ -285,11 +285,18 @@ def row_hash(row: tuple[Any, ...]) -> str:
     The stored error, reason and owner are canonical JSON text already, so they enter the body as
     they are; a stored text that is not canonical (an altered row) gives another hash, as it should.
     """
-    arguments, value, error, reason, owner = row[7], row[8], row[9], row[10], row[13]
+    arguments = row[7]
+    return hash_of_row(row, None if arguments is None else _sha256(arguments.encode()).hexdigest())
+
+
+def hash_of_row(row: tuple[Any, ...], arguments_sha256: str | None) -> str:
+    """:func:`row_hash`, given the digest of the row's arguments text (``None``: it has none),
+    which the rows of one call share."""
+    value, error, reason, owner = row[8], row[9], row[10], row[13]
     # The keys written in sorted order, so orjson need not sort them: the same canonical bytes.
     body = _dumps({
         "actor": row[11], "agent_id": row[5],
-        "arguments_sha256": None if arguments is None else _sha256(arguments.encode()).hexdigest(),
+        "arguments_sha256": arguments_sha256,
         "at": row[1], "attempt": row[12], "call_id": row[2],
         "error": None if error is None else _Fragment(error),
         "idempotency_key": row[6], "kind": row[3],

@@ -1,11 +1,13 @@
 """Verifying a large SQLite journal in parts, on several cores at once.
 
-Each part checks a contiguous range of ``seq`` (every hash recomputed, every link, no gaps) and
-the calls of one range of call ids (their events, read by call id, folded with the guard's
-``apply`` and compared with their projection rows, one call at a time: a part's memory does not
-grow with the journal). The parts together check what the one-pass ``SQLiteJournal.verify``
-checks; they only say whether all is well. When any part finds a problem, the journal is verified
-again in one pass, which names the first bad event exactly as it always does.
+Each part reads the events of one range of call ids once, by call id: it recomputes each hash
+from the row's fields, folds each call's events with the guard's ``apply`` and compares the record
+with the call's projection row, one call at a time (a part's memory does not grow with the
+journal). SQLite checks the links of one contiguous range of ``seq`` (no gap, each ``prev_hash``
+the hash of the event before), so no part reads the log twice. The parts together check what the
+one-pass ``SQLiteJournal.verify`` checks; they only say whether all is well. When any part finds a
+problem, the journal is verified again in one pass, which names the first bad event exactly as it
+always does.
 
 A part runs in this process or in a child: ``python -m journal.sqlite_verify PATH PART PARTS HEAD``
 prints ``{"ok":true}`` or ``{"ok":false}``.
@@ -14,11 +16,12 @@ prints ``{"ok":true}`` or ``{"ok":false}``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +30,12 @@ import orjson
 from . import archive, verifying
 from .chain import GENESIS
 from .events import VerifyReport
-from .projection import FOLD_COLUMNS, fold_calls
+from .projection import FOLD_COLUMNS
 from .rows import CALL_COLUMNS, CHANGING_KINDS, EVENT_COLUMNS
 from .sqlite import schema
 
-__all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "check_part", "child_said_ok", "start_part", "verify_snapshot"]
+__all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "SAMPLES", "check_part", "child_said_ok", "start_part",
+           "verify_snapshot"]
 
 # Below this many events one pass is quicker than starting another interpreter.
 PARALLEL_FROM = 200_000
@@ -68,21 +72,28 @@ def verify_snapshot(conn: sqlite3.Connection, advance: Callable[[int], None] | N
     )
 
 
+# How many events _bounds samples to cut the calls into parts of about as many events each.
+SAMPLES = 2_000
+
+
 def _bounds(conn: sqlite3.Connection, part: int, parts: int, head: int) -> tuple[Any, Any]:
     """The call ids of this part's share, ``lo <= call_id < hi`` (None: no bound), as every part
     finds them whatever its snapshot: cut from the ids of the events up to ``head``, which are only
-    ever appended to, into parts of about as many events each (the fold's work). A range read
-    from the index by call id touches this part's entries only."""
-    def cut(k: int) -> Any:
-        if k <= 0 or k >= parts:
-            return None
-        found = conn.execute(
-            "SELECT call_id FROM events WHERE call_id IS NOT NULL AND seq <= ? ORDER BY call_id LIMIT 1 OFFSET ?",
-            (head, total * k // parts),
-        ).fetchone()
-        return None if found is None else found[0]
+    ever appended to. The ids of :data:`SAMPLES` events spread evenly over the log are sorted in
+    the database's order, and cut into parts: each then holds about as many events (the fold's
+    work) as the next, whatever the ids look like. A bound is always a text, so every id (a
+    number, a blob, in an altered journal) falls in one part. A range read from the index by call
+    id touches this part's entries only."""
+    step = max(1, head // SAMPLES)
+    ids = [found[0] for found in conn.execute(
+        "WITH RECURSIVE sample(seq) AS (SELECT 1 UNION ALL SELECT seq + ? FROM sample WHERE seq + ? <= ?) "
+        "SELECT call_id FROM events JOIN sample USING (seq) WHERE typeof(call_id) = 'text' ORDER BY call_id",
+        (step, step, head),
+    )]
 
-    total = conn.execute("SELECT count(*) FROM events WHERE call_id IS NOT NULL AND seq <= ?", (head,)).fetchone()[0]
+    def cut(k: int) -> Any:
+        return ids[len(ids) * k // parts] if 0 < k < parts and ids else None
+
     return cut(part), cut(part + 1)
 
 
@@ -91,44 +102,48 @@ def _range(part: int, parts: int, head: int) -> tuple[int, int]:
     return part * size + 1, min(head, (part + 1) * size)
 
 
-def _chain_ok(conn: sqlite3.Connection, lo: int, hi: int) -> bool:
-    """Events ``lo..hi`` are all there, each links to the one before and each hash matches its
-    fields (the one before ``lo`` is taken as it is: the part before checks it)."""
-    if lo > 1:
-        link = conn.execute("SELECT hash FROM events WHERE seq = ?", (lo - 1,)).fetchone()
-        if link is None:
-            return False
-        start = lo - 1, link[0]
-    else:
+def _links_ok(conn: sqlite3.Connection, lo: int, hi: int) -> bool:
+    """Events ``lo..hi`` are all there and each names the hash of the one before as its
+    ``prev_hash`` (the one before ``lo`` is taken as it is: the part before checks it). Each hash
+    is recomputed from its row's fields by :func:`_calls_ok`; the links are SQLite's to check."""
+    if lo == 1:
         if conn.execute("SELECT 1 FROM events WHERE seq < 1 LIMIT 1").fetchone() is not None:
             return False  # an event before the first (seq starts at 1)
-        start = 0, GENESIS
-    if not isinstance(start[1], str):
-        return False
-    check = verifying.check_chain(
-        conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE seq BETWEEN ? AND ? ORDER BY seq", (lo, hi)),
-        start=start,
-    )
-    return check.ok and check.last_seq == hi
+        first = conn.execute("SELECT prev_hash FROM events WHERE seq = 1").fetchone()
+        if first is None or first[0] != GENESIS:
+            return False
+        lo = 2
+    if lo > hi:
+        return True
+    linked = conn.execute(
+        "SELECT count(*) FROM events AS e JOIN events AS before ON before.seq = e.seq - 1 "
+        "WHERE e.seq BETWEEN ? AND ? AND e.prev_hash = before.hash",
+        (lo, hi),
+    ).fetchone()[0]
+    return bool(linked == hi - lo + 1)  # no gap, and no link broken
 
 
-def _projection_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -> bool:
-    """The calls of this part's share (:func:`_bounds`), each folded from its events in the whole
-    log, are exactly their stored projection rows (part 0 also looks for a row without a call id,
-    which only an altered journal has). One call is held at a time: the events are read by call
-    id, beside the rows."""
+def _calls_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -> bool:
+    """The events of this part's share of the calls (:func:`_bounds`), each hash recomputed and
+    each call folded from its events in the whole log, are sound and exactly their stored
+    projection rows (part 0 also checks the events without a call id, and looks for a row without
+    a call id, which only an altered journal has). One read of the log by call id, holding one
+    call at a time, beside the projection rows."""
     lo, hi = _bounds(conn, part, parts, head)
     where = " AND ".join(["call_id IS NOT NULL", *(["call_id >= :lo"] if lo is not None else []),
                           *(["call_id < :hi"] if hi is not None else [])])
     bounds = {"lo": lo, "hi": hi}
     log_end = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
-    records = fold_calls(conn.execute(
-        f"SELECT {_FOLD_COLUMNS} FROM events WHERE {where} AND kind IN {CHANGING_KINDS} ORDER BY call_id, seq", bounds
-    ))
-    if part == 0 and conn.execute("SELECT 1 FROM calls WHERE call_id IS NULL LIMIT 1").fetchone() is not None:
-        return False  # a row without a call id: the log cannot have produced it
+    events: Iterable[tuple[Any, ...]] = conn.execute(
+        f"SELECT {_EVENT_COLUMNS} FROM events WHERE {where} ORDER BY call_id, seq", bounds
+    )
+    if part == 0:
+        if conn.execute("SELECT 1 FROM calls WHERE call_id IS NULL LIMIT 1").fetchone() is not None:
+            return False  # a row without a call id: the log cannot have produced it
+        callless = conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE call_id IS NULL ORDER BY seq")
+        events = itertools.chain(callless, events)
     rows = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls WHERE {where} ORDER BY call_id", bounds)
-    return verifying.projection_problem(records, rows, log_end) is None
+    return verifying.projection_problem(verifying.checked_calls(events), rows, log_end) is None
 
 
 def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -> bool:
@@ -138,7 +153,7 @@ def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -
     try:
         conn.execute("BEGIN")  # the projection and the log it is compared with, at one moment
         lo, hi = _range(part, parts, head)
-        return _chain_ok(conn, lo, hi) and _projection_ok(conn, part, parts, head)
+        return _links_ok(conn, lo, hi) and _calls_ok(conn, part, parts, head)
     except (sqlite3.Error, ValueError, TypeError, AttributeError):
         return False  # a stored field that cannot be read, or ids out of order: the one-pass check names it
     finally:

@@ -15,18 +15,19 @@ file's own pages) it checks around this.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
-from guard.store import CallRecord
+from guard.store import TRANSITIONS, CallRecord, EffectEvent, apply
 
 from .chain import GENESIS, ChainCheck, ahead_of_log
 from .events import VerifyReport
-from .export import row_hash
+from .export import hash_of_row, row_hash
 from .projection import fold_calls, fold_row, record_row
 
-__all__ = ["ADVANCE_EVERY", "ArchivedProjection", "HeldProjection", "check_chain", "check_log", "compare_calls",
-           "compare_projection", "projection_problem", "verify_log", "verify_rows"]
+__all__ = ["ADVANCE_EVERY", "ArchivedProjection", "HeldProjection", "check_chain", "check_log", "checked_calls",
+           "compare_calls", "compare_projection", "projection_problem", "verify_log", "verify_rows"]
 
 ADVANCE_EVERY = 10_000  # events between two calls of a progress callback
 
@@ -215,6 +216,40 @@ def compare_calls(check: ChainCheck, records: Iterable[CallRecord], rows: Iterab
     if problem is not None:
         check.fail(*problem)
     return check.report()
+
+
+def checked_calls(rows: Iterable[tuple[Any, ...]]) -> Iterator[CallRecord]:
+    """The record of each call folded from ``rows`` (:data:`~journal.rows.EVENT_COLUMNS`, each
+    call's rows together and in ``seq`` order: a log read by call id), every row's hash recomputed
+    on the way. Holds one call at a time; rows without a call id are checked and fold to nothing.
+
+    This is the check of :func:`check_chain` without the links (which need the log in ``seq``
+    order: a store checks them apart, see :mod:`journal.sqlite_verify`) and the fold of
+    :func:`journal.projection.fold_calls`, in one read of the log. ``ValueError`` names the first
+    row, in this order, whose hash is not the one its fields give.
+    """
+    call_id: Any = _NOTHING
+    record: CallRecord | None = None
+    arguments: Any = _NOTHING  # the last arguments text hashed, and its digest: a call's rows share it
+    digest: str | None = None
+    sha256 = hashlib.sha256
+    for row in rows:
+        if row[7] != arguments:
+            arguments = row[7]
+            digest = None if arguments is None else sha256(arguments.encode()).hexdigest()
+        if hash_of_row(row, digest) != row[15]:
+            raise ValueError(f"seq {row[0]!r} has been altered: its hash is not the one its fields give")
+        if row[2] != call_id:
+            if record is not None:
+                yield record
+            call_id, record = row[2], None
+        if row[3] in TRANSITIONS and call_id is not None:
+            record = apply(record, EffectEvent(
+                row[3], call_id, row[4], row[1], row[5], row[6], row[7], row[8], row[9], row[10], row[11], row[12],
+                row[13], row[0],
+            ), row[0])
+    if record is not None:
+        yield record
 
 
 def _rank(call_id: Any) -> tuple[int, Any]:

@@ -17,6 +17,8 @@ import pytest
 
 from guard.store import EffectEvent, current_owner, parse_at
 from journal import SQLiteJournal, sqlite_verify
+from journal.export import row_hash
+from journal.rows import EVENT_COLUMNS
 
 CALLS = 30
 
@@ -106,6 +108,45 @@ def test_a_tampered_journal_gets_the_one_pass_report(journal: SQLiteJournal, ind
     for parts in (2, 3):
         # At least one part sees the problem, and the report is the one-pass report.
         assert not all(sqlite_verify.check_part(journal.path, p, parts, head) for p in range(parts))
+        assert journal.verify(parts=parts) == one
+
+
+def _rehash(journal: SQLiteJournal, seq: int, change: str) -> None:
+    """Alter event ``seq`` with ``change`` and give it the hash its new fields give: the row is
+    sound on its own, and only the link from the event after it is broken."""
+    conn = raw(journal)
+    conn.execute(f"UPDATE events SET {change} WHERE seq = ?", (seq,))
+    row = conn.execute(f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE seq = ?", (seq,)).fetchone()
+    conn.execute("UPDATE events SET hash = ? WHERE seq = ?", (row_hash(row), seq))
+    conn.close()
+
+
+@pytest.mark.parametrize("where", ["first", "boundary", "before boundary", "middle"])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_an_event_rehashed_to_match_its_change_breaks_the_next_link(
+    journal: SQLiteJournal, where: str, parts: int
+) -> None:
+    head = journal.head()[0]
+    boundary = sqlite_verify._range(1, parts, head)[0]  # the first event of the second part's range
+    seq = {"first": 1, "boundary": boundary, "before boundary": boundary - 1, "middle": head // 2}[where]
+    _rehash(journal, seq, "actor = 'operator:mallory'")
+    one = journal.verify(parts=1)
+    assert not one.ok and one.first_bad_seq == seq + 1
+    assert not all(sqlite_verify.check_part(journal.path, p, parts, head) for p in range(parts))
+    assert journal.verify(parts=parts) == one
+
+
+def test_an_event_without_a_call_is_checked_too(journal: SQLiteJournal) -> None:
+    conn = raw(journal)
+    seq = conn.execute("SELECT min(seq) FROM events WHERE call_id IS NULL").fetchone()[0]
+    conn.execute("UPDATE events SET reason = '{\"code\":\"edited\"}' WHERE seq = ?", (seq,))
+    conn.close()
+    one = journal.verify(parts=1)
+    assert not one.ok and one.first_bad_seq == seq
+    head = journal.head()[0]
+    for parts in (2, 3):
+        said = [sqlite_verify.check_part(journal.path, p, parts, head) for p in range(parts)]
+        assert said[0] is False  # the part that reads the events without a call id
         assert journal.verify(parts=parts) == one
 
 
