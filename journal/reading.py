@@ -175,6 +175,17 @@ class LogReads:
     def stats(self) -> JournalStats:
         """Counts of calls by status and by tool, the number of events, and when the oldest pending
         and unknown calls entered that status; all of one moment, however many writers there are."""
+        by_status, by_tool, oldest, events = self._counts()
+        return JournalStats(
+            calls=sum(by_status.values()), events=events, by_status=dict(sorted(by_status.items())),
+            by_tool=dict(sorted(by_tool.items())),
+            oldest_pending_at=self._decoded(parse_at, oldest["pending"]) if "pending" in oldest else None,
+            oldest_unknown_at=self._decoded(parse_at, oldest["unknown"]) if "unknown" in oldest else None,
+        )
+
+    def _counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, str], int]:
+        """What :meth:`stats` reports, as stored: the calls by status, by tool, the stored time the
+        oldest pending and unknown call entered its status, and the number of events."""
         groups, events = self._snapshot("read the stats", _STATS)
         by_status: dict[str, int] = {}
         by_tool: dict[str, int] = {}
@@ -185,12 +196,7 @@ class LogReads:
             if status in ("pending", "unknown") and since is not None and (
                     status not in oldest or since < oldest[status]):
                 oldest[status] = since
-        return JournalStats(
-            calls=sum(by_status.values()), events=int(events[0][0]), by_status=dict(sorted(by_status.items())),
-            by_tool=dict(sorted(by_tool.items())),
-            oldest_pending_at=self._decoded(parse_at, oldest["pending"]) if "pending" in oldest else None,
-            oldest_unknown_at=self._decoded(parse_at, oldest["unknown"]) if "unknown" in oldest else None,
-        )
+        return by_status, by_tool, oldest, int(events[0][0])
 
     def _decoded(self, decode: Callable[[Any], T], row: Any) -> T:
         raise NotImplementedError

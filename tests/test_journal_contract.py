@@ -307,6 +307,20 @@ def test_stats_follow_the_calls_as_they_move(history: Journal) -> None:
     assert (stats.events, stats.oldest_unknown_at) == (16, None)
 
 
+@pytest.mark.parametrize("tools", [1, 16, 17, 40])
+def test_stats_count_each_tool_however_many_there_are(journal: Journal, tools: int) -> None:
+    for n in range(tools * 2 + 1):
+        call_id, tool = f"c{n:03d}", f"tool_{n % tools:02d}"
+        journal.append(EffectEvent("pending", call_id, tool, agent_id="agent-1", attempt=1, arguments="{}"))
+        if n % 3:
+            journal.append(EffectEvent("committed", call_id, tool, attempt=1, value="1"))
+    stats = journal.stats()
+    assert stats.by_tool == {f"tool_{t:02d}": 2 + (t == 0) for t in range(tools)}
+    expected = {"committed": sum(1 for n in range(tools * 2 + 1) if n % 3)}
+    expected["pending"] = tools * 2 + 1 - expected["committed"]
+    assert stats.by_status == expected and stats.calls == tools * 2 + 1
+
+
 def test_texts_beyond_ascii_read_back_as_written(journal: Journal) -> None:
     event = EffectEvent("pending", "appel-é-🧾", "überweisung", agent_id="agent-ü", attempt=1,
                         arguments='{"memo":"naïve · ok"}', idempotency_key="b" * 64)

@@ -150,6 +150,18 @@ def test_head_and_stats(journal: SQLiteJournal) -> None:
     assert journal.head()[0] == 7
 
 
+def test_stats_count_a_status_the_schema_does_not_know(journal: SQLiteJournal) -> None:
+    journal.append(event("pending", "c1", minute=1))
+    journal.append(event("pending", "c2", minute=2))
+    conn = sqlite3.connect(journal.path)
+    conn.execute("PRAGMA ignore_check_constraints = ON")
+    conn.execute("UPDATE calls SET status = 'lost' WHERE call_id = 'c2'")
+    conn.commit()
+    conn.close()
+    stats = journal.stats()
+    assert (stats.calls, stats.by_status) == (2, {"lost": 1, "pending": 1})
+
+
 def test_events_round_trip_every_field(journal: SQLiteJournal) -> None:
     journal.append(event("unknown", "c1", error={"type": "TimeoutError", "message": "slow"}, actor="guard"))
     [e] = list(journal.events())
