@@ -836,6 +836,17 @@ def test_a_lease_decides_whether_the_owner_is_alive(journal: Journal) -> None:
     assert journal.resolve("live", applied=False, reason="lease ran out", operator="ops").kind == "released"
 
 
+def test_owner_states_of_many_calls_at_once(journal: Journal) -> None:
+    records = [begin_pending(journal, f"p{n:04d}", owner={"host": "elsewhere", "pid": 1}) for n in range(1203)]
+    for n in range(0, 1203, 3):  # a live lease on every third call, one run out on every third after it
+        journal.take_lease(f"p{n:04d}", "h1", 3600)
+        if n + 1 < 1203:
+            journal.take_lease(f"p{n + 1:04d}", "h1", 0)
+    states = journal.owner_states(records)
+    assert [states[f"p{n:04d}"].alive for n in range(1203)] == [n % 3 == 0 for n in range(1203)]
+    assert [states[f"p{n:04d}"].lease_expires_at is None for n in range(1203)] == [n % 3 == 2 for n in range(1203)]
+
+
 def test_a_live_lease_refuses_a_resolve_without_force(journal: Journal) -> None:
     begin_pending(journal, "leased", owner={"host": "elsewhere", "pid": 1})  # by the pid test, not alive
     journal.take_lease("leased", "h1", 3600)
