@@ -4,16 +4,16 @@ trust its row; written once for both SQL journals."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from guard.store import CallRecord
 
-from .projection import fold_into
+from .projection import fold_into, record_row
 from .rows import call_row, event_from_row, record_from_row
-from .verifying import ADVANCE_EVERY
+from .verifying import ADVANCE_EVERY, before, in_order
 
-__all__ = ["Decoding", "as_logged", "refold"]
+__all__ = ["Decoding", "as_logged", "changes", "refold"]
 
 log = logging.getLogger("journal")
 
@@ -42,6 +42,41 @@ def refold(
             advance(ADVANCE_EVERY)
         fold_into(folded, decoded(event_from_row, row))
     return [call_row(record) for record in folded.values()]
+
+
+def changes(
+    records: Iterable[CallRecord], rows: Iterable[tuple[Any, ...]], decoded: Decoding
+) -> Iterator[tuple[Any, tuple[Any, ...] | None]]:
+    """What makes the projection ``rows`` the fold ``records`` (both in the database's call id
+    order, as :func:`journal.verifying.projection_problem` takes them), one call at a time:
+    ``(call_id, row)`` for a call whose row is missing or differs (the row it must have), and
+    ``(call_id, None)`` for a row the log makes no record of. Each folded row is read back as a
+    record through ``decoded`` (the store's, which names the journal when a field cannot be
+    read); ``ValueError`` when either stream is out of order."""
+    folded = in_order(records, lambda record: record.call_id, "the log's events")
+    record = next(folded, None)
+    for stored in in_order(rows, lambda row: row[0], "the projection rows"):
+        call_id = stored[0]
+        while record is not None and before(record.call_id, call_id):
+            yield record.call_id, decoded(_checked_row, record)
+            record = next(folded, None)
+        if record is not None and record.call_id == call_id:
+            row = decoded(_checked_row, record)
+            if row != tuple(stored):
+                yield call_id, row
+            record = next(folded, None)
+        else:
+            yield call_id, None
+    while record is not None:
+        yield record.call_id, decoded(_checked_row, record)
+        record = next(folded, None)
+
+
+def _checked_row(record: CallRecord) -> tuple[Any, ...]:
+    """The projection row of a record folded on stored texts, once it reads back as a record."""
+    row = record_row(record)
+    record_from_row(row)
+    return row
 
 
 def as_logged(call_id: str, record: CallRecord | None, kept: CallRecord | None, events: Iterable[tuple[Any, ...]],

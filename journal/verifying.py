@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from guard.store import TRANSITIONS, CallRecord, EffectEvent, apply
 
@@ -26,10 +26,13 @@ from .events import VerifyReport
 from .export import hash_of_row, row_hash
 from .projection import fold_calls, fold_row, record_row
 
-__all__ = ["ADVANCE_EVERY", "ArchivedProjection", "HeldProjection", "check_chain", "check_log", "checked_calls",
-           "compare_calls", "compare_projection", "projection_problem", "verify_log", "verify_rows"]
+__all__ = ["ADVANCE_EVERY", "ArchivedProjection", "HeldProjection", "before", "check_chain", "check_log",
+           "checked_calls", "compare_calls", "compare_projection", "in_order", "projection_problem", "verify_log",
+           "verify_rows"]
 
 ADVANCE_EVERY = 10_000  # events between two calls of a progress callback
+
+T = TypeVar("T")
 
 
 class ArchivedProjection(Protocol):
@@ -261,11 +264,23 @@ def _rank(call_id: Any) -> tuple[int, Any]:
     return (2, call_id) if isinstance(call_id, str) else (3, bytes(call_id))
 
 
-def _before(a: Any, b: Any) -> bool:
+def before(a: Any, b: Any) -> bool:
     """Whether call id ``a`` comes before ``b`` in the database's order."""
     if type(a) is str and type(b) is str:
         return a < b
     return _rank(a) < _rank(b)
+
+
+def in_order(items: Iterable[T], key: Callable[[T], Any], what: str) -> Iterator[T]:
+    """``items`` as they come; ``ValueError`` naming ``what`` once the ``key`` (a call id) of one
+    does not come after the one before, in the database's order."""
+    previous: Any = _NOTHING
+    for item in items:
+        call_id = key(item)
+        if previous is not _NOTHING and not before(previous, call_id):
+            raise ValueError(f"{what} are not in call id order ({previous!r}, then {call_id!r})")
+        previous = call_id
+        yield item
 
 
 def projection_problem(
@@ -287,10 +302,10 @@ def projection_problem(
     previous: Any = _NOTHING
     for row in rows:
         call_id = row[0]
-        if previous is not _NOTHING and _before(call_id, previous):
+        if previous is not _NOTHING and before(call_id, previous):
             raise ValueError(f"the projection rows are not in call id order ({previous!r}, then {call_id!r})")
         previous = call_id
-        while record is not None and _before(record.call_id, call_id):
+        while record is not None and before(record.call_id, call_id):
             if lacking is None or record.last_seq < lacking.last_seq:
                 lacking = record
             record = _next_in_order(folded, record)
@@ -322,7 +337,7 @@ _NOTHING = object()
 def _next_in_order(folded: Iterator[CallRecord], record: CallRecord) -> CallRecord | None:
     """The call folded after ``record``; ``ValueError`` when it does not come after it."""
     following = next(folded, None)
-    if following is not None and not _before(record.call_id, following.call_id):
+    if following is not None and not before(record.call_id, following.call_id):
         raise ValueError(f"the log's events are not in call id order ({record.call_id!r}, then "
                          f"{following.call_id!r})")
     return following
