@@ -9,11 +9,11 @@ from typing import Any, Protocol, TypeVar
 
 from guard.store import CallRecord
 
-from .projection import fold_into, record_row
+from .projection import fold_calls, fold_into, record_row
 from .rows import call_row, event_from_row, record_from_row
 from .verifying import ADVANCE_EVERY, before, in_order
 
-__all__ = ["Decoding", "as_logged", "changes", "refold"]
+__all__ = ["ByCall", "Decoding", "as_logged", "changes", "refold"]
 
 log = logging.getLogger("journal")
 
@@ -42,6 +42,37 @@ def refold(
             advance(ADVANCE_EVERY)
         fold_into(folded, decoded(event_from_row, row))
     return [call_row(record) for record in folded.values()]
+
+
+class ByCall:
+    """The calls folded from a log read by call id (rows of :data:`~journal.projection.FOLD_COLUMNS`,
+    the kinds that change no record left out), counting the events folded for a progress bar and
+    the calls: :meth:`records` yields them, :meth:`done` tells ``advance`` of the rest of the log."""
+
+    def __init__(self, rows: Iterable[tuple[Any, ...]], advance: Callable[[int], None] | None) -> None:
+        self._rows = rows
+        self._advance = advance
+        self.folded = 0  # events folded so far
+        self.calls = 0
+
+    def records(self) -> Iterator[CallRecord]:
+        for record in fold_calls(self._counted()):
+            self.calls += 1
+            yield record
+
+    def _counted(self) -> Iterator[tuple[Any, ...]]:
+        advance = self._advance
+        for row in self._rows:
+            self.folded += 1
+            if advance is not None and self.folded % ADVANCE_EVERY == 0:
+                advance(ADVANCE_EVERY)
+            yield row
+
+    def done(self, events: int) -> None:
+        """Tell ``advance`` of the ``events`` of the log not yet told of (the kinds not read among them)."""
+        told = self.folded - self.folded % ADVANCE_EVERY
+        if self._advance is not None and events > told:
+            self._advance(events - told)
 
 
 def changes(

@@ -605,6 +605,31 @@ def test_rebuild_of_a_sound_journal_changes_nothing(history: Journal) -> None:
     assert sum(told) <= 15
 
 
+def test_rebuild_refuses_a_field_it_cannot_read_and_keeps_the_projection(history: Journal,
+                                                                         database: Database) -> None:
+    database.execute("UPDATE calls SET status = 'released' WHERE call_id = 'c-unknown'")
+    before = database.rows("SELECT * FROM calls ORDER BY call_id")
+    database.execute("DROP TRIGGER events_no_update" if database.kind == "sqlite"
+                     else "ALTER TABLE events DISABLE TRIGGER events_append_only")
+    database.execute("UPDATE events SET owner = '{not json' WHERE seq = 2")  # c-ok's committed
+    with pytest.raises(JournalError, match="cannot be read"):
+        history.rebuild()
+    assert database.rows("SELECT * FROM calls ORDER BY call_id") == before
+
+
+def test_rebuild_tells_its_progress_up_to_every_event(journal: Journal) -> None:
+    for n in range(7_000):  # 2 calls in 3 commit and are replayed: some events change no record
+        journal.append(EffectEvent("pending", f"c{n:05d}", "charge", agent_id="agent-1", attempt=1, arguments="{}"))
+        if n % 3:
+            journal.append(EffectEvent("committed", f"c{n:05d}", "charge", attempt=1, value="1"))
+            journal.append(EffectEvent("replayed", f"c{n:05d}", "charge", attempt=1))
+    before = journal.calls(limit=None)
+    told: list[int] = []
+    assert journal.rebuild(advance=told.append) == 7_000
+    assert sum(told) == journal.head()[0] and len(told) >= 2
+    assert journal.calls(limit=None) == before and journal.verify().ok
+
+
 def test_rebuild_of_an_empty_journal(journal: Journal) -> None:
     assert journal.rebuild() == 0
     assert journal.verify().ok and journal.calls() == []

@@ -450,34 +450,6 @@ def test_rebuild_drops_rows_no_call_of_the_log_can_make(journal: SQLiteJournal) 
     assert journal.verify().ok
 
 
-def test_rebuild_refuses_a_field_it_cannot_read_and_keeps_the_projection(journal: SQLiteJournal) -> None:
-    fill(journal)
-    conn = raw(journal)
-    conn.execute("DROP TRIGGER events_no_update")
-    conn.execute("UPDATE calls SET status = 'released' WHERE call_id = 'c2'")
-    seq = conn.execute("SELECT max(seq) FROM events WHERE call_id = 'c1' AND kind = 'committed'").fetchone()[0]
-    conn.execute("UPDATE events SET owner = '{not json' WHERE seq = ?", (seq,))
-    projection = conn.execute("SELECT * FROM calls ORDER BY call_id").fetchall()
-    conn.close()
-    with pytest.raises(JournalError, match="cannot be read"):
-        journal.rebuild()
-    conn = raw(journal)
-    assert conn.execute("SELECT * FROM calls ORDER BY call_id").fetchall() == projection
-    conn.close()
-
-
-def test_rebuild_tells_its_progress_up_to_every_event(journal: SQLiteJournal) -> None:
-    for n in range(12_000):  # 2 calls in 3 commit: 20,000 events, some of which change no record
-        journal.append(event("pending", f"c{n:05d}", minute=n))
-        if n % 3:
-            journal.append(event("committed", f"c{n:05d}", minute=n, value="1"))
-            journal.append(event("replayed", f"c{n:05d}", minute=n))
-    told: list[int] = []
-    assert journal.rebuild(advance=told.append) == 12_000
-    assert sum(told) == journal.head()[0] == 28_000 and len(told) >= 2
-    assert journal.verify().ok
-
-
 def test_full_export_of_a_real_journal_verifies_offline(journal: SQLiteJournal) -> None:
     from journal.chain import verify_lines
 

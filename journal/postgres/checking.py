@@ -12,7 +12,7 @@ from .. import archive, verifying
 from ..errors import JournalError
 from ..events import JournalEvent, VerifyReport
 from ..projection import fold_calls, fold_into
-from ..rebuilding import refold
+from ..rebuilding import ByCall, changes, refold
 from ..rows import (
     EVENT_COLUMNS,
     call_row,
@@ -20,6 +20,15 @@ from ..rows import (
 )
 from .connection import Conn, Connection
 from .sql import _BATCH, _BY_CALL, _CALL_SELECT, _EVENT_SELECT, _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
+
+
+def _streamed(conn: Conn, name: str, sql: str) -> Iterator[tuple[Any, ...]]:
+    """The rows of ``sql`` through a server-side cursor named ``name``: a batch at a time, never
+    whole in this process's memory; it sees the transaction as it was when it opened."""
+    with conn.cursor(name=name) as cur:
+        cur.itersize = _BATCH
+        cur.execute(sql.encode())
+        yield from cur
 
 
 class Checking(Connection):
@@ -34,12 +43,7 @@ class Checking(Connection):
     def _verify(self, conn: Conn, advance: Callable[[int], None] | None = None) -> VerifyReport:
         # The log goes on from the last archive's head, folded onto the projection as of that head.
         # Server-side cursors: the log and the projection come in batches, never whole into memory.
-        def streamed(name: str, sql: str) -> Iterator[tuple[Any, ...]]:
-            with conn.cursor(name=name) as cur:
-                cur.itersize = _BATCH
-                cur.execute(sql.encode())
-                yield from cur
-
+        streamed = functools.partial(_streamed, conn)
         # Ids in binary order (COLLATE "C"), the order the log read by call id is merged in.
         calls = functools.partial(streamed, "airlock_verify_calls", f'{_CALL_SELECT} ORDER BY call_id COLLATE "C"')
         start = archive.postgres_archived_head(conn)
@@ -81,19 +85,57 @@ class Checking(Connection):
 
         def work(conn: Conn) -> int:
             conn.execute(_LOCK_HEAD).fetchone()
-            # A server-side cursor: the log comes in batches, never whole into this process's memory.
-            with conn.cursor(name="airlock_rebuild") as cur:
-                cur.itersize = _BATCH
-                cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
-                rows = refold(archive.postgres_snapshot(conn), cur, self._decoded, advance)
-            conn.execute(b"DELETE FROM calls")
-            with conn.cursor() as cur:
-                cur.executemany(_UPSERT_CALL, rows)
+            if archive.postgres_archived_head(conn)[0]:
+                # A server-side cursor: the log comes in batches, never whole into this process's memory.
+                with conn.cursor(name="airlock_rebuild") as cur:
+                    cur.itersize = _BATCH
+                    cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
+                    rows = refold(archive.postgres_snapshot(conn), cur, self._decoded, advance)
+                conn.execute(b"DELETE FROM calls")
+                with conn.cursor() as cur:
+                    cur.executemany(_UPSERT_CALL, rows)
+                calls = len(rows)
+            else:
+                calls = self._rebuilt_by_call(conn, advance)
             # Writers that read the old projection must read again: their compare-and-set now fails.
             conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
-            return len(rows)
+            return calls
 
         return self._write("rebuild the projection", work, pipeline=False)
+
+    def _rebuilt_by_call(self, conn: Conn, advance: Callable[[int], None] | None) -> int:
+        """The projection of a log without archives made its fold, in the write transaction on
+        ``conn``, holding one call at a time: the events that change a record are read by call id
+        and folded on their stored texts (as verify folds them), beside the projection rows read
+        in the same order (server-side cursors, which do not see what this transaction writes
+        after they open); only the rows that differ are written, a batch at a time. A stored
+        field that cannot be read stops the rebuild with the journal's error."""
+        last = conn.execute(b"SELECT coalesce(max(seq), 0) FROM events").fetchone()
+        events = int(last[0]) if last is not None else 0
+        folding = ByCall(_streamed(conn, "airlock_rebuild_by_call", _BY_CALL), advance)
+        stored = _streamed(conn, "airlock_rebuild_calls", f'{_CALL_SELECT} ORDER BY call_id COLLATE "C"')
+        put: list[tuple[Any, ...]] = []
+        gone: list[Any] = []
+
+        def write() -> None:
+            with conn.cursor() as cur:
+                if put:
+                    cur.executemany(_UPSERT_CALL, put)
+                if gone:
+                    cur.execute(b"DELETE FROM calls WHERE call_id = ANY(%s)", (gone,))
+            put.clear()
+            gone.clear()
+
+        for call_id, row in changes(folding.records(), stored, self._decoded):
+            if row is None:
+                gone.append(call_id)
+            else:
+                put.append(row)
+            if len(put) + len(gone) >= _BATCH:
+                write()
+        write()
+        folding.done(events)
+        return folding.calls
 
     def import_events(self, events: Iterable[JournalEvent],
                       check: Callable[[VerifyReport], None] | None = None) -> int:

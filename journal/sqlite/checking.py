@@ -15,10 +15,9 @@ from .. import archive, sqlite_verify
 from ..chain import GENESIS
 from ..errors import JournalDamaged, JournalError
 from ..events import JournalEvent, VerifyReport
-from ..projection import fold_calls, fold_into
-from ..rebuilding import changes, refold
+from ..projection import fold_into
+from ..rebuilding import ByCall, changes, refold
 from ..rows import call_row, event_row
-from ..verifying import ADVANCE_EVERY
 from . import damage, schema
 from .connection import _FULL, _NORMAL, Connection
 from .sql import _CALL_COLUMNS, _EVENT_COLUMNS, _INSERT_EVENT, _SELECT_HEAD, _UPSERT_CALL
@@ -145,35 +144,19 @@ class Checking(Connection):
         conn.execute("DELETE FROM calls WHERE call_id IS NULL")  # no log makes a row without a call id
         conn.execute("DROP TABLE IF EXISTS temp.airlock_rebuilt")
         conn.execute(f"CREATE TEMP TABLE airlock_rebuilt AS SELECT {_CALL_COLUMNS}, 0 AS gone FROM calls WHERE 0")
-        folded = calls = 0  # events folded so far (for advance), and calls
-
-        def counted(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
-            nonlocal folded
-            for row in rows:
-                folded += 1
-                if advance is not None and folded % ADVANCE_EVERY == 0:
-                    advance(ADVANCE_EVERY)
-                yield row
-
-        def records() -> Iterator[CallRecord]:
-            nonlocal calls
-            for record in fold_calls(counted(conn.execute(sqlite_verify.BY_CALL))):
-                calls += 1
-                yield record
-
+        folding = ByCall(conn.execute(sqlite_verify.BY_CALL), advance)
         stored = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id")
         conn.executemany(
             f"INSERT INTO temp.airlock_rebuilt VALUES ({', '.join('?' * 17)})",
             ((*row, 0) if row is not None else (call_id, *([None] * 15), 1)
-             for call_id, row in changes(records(), stored, self._decoded)),
+             for call_id, row in changes(folding.records(), stored, self._decoded)),
         )
         conn.execute("DELETE FROM calls WHERE call_id IN (SELECT call_id FROM temp.airlock_rebuilt WHERE gone)")
         conn.execute(f"INSERT INTO calls ({_CALL_COLUMNS}) SELECT {_CALL_COLUMNS} FROM temp.airlock_rebuilt "
                      f"WHERE NOT gone {_UPSERT_CALL[_UPSERT_CALL.index('ON CONFLICT'):]}")
         conn.execute("DROP TABLE temp.airlock_rebuilt")
-        if advance is not None and events > folded - folded % ADVANCE_EVERY:
-            advance(events - (folded - folded % ADVANCE_EVERY))  # the kinds that change no record, not read
-        return calls
+        folding.done(events)
+        return folding.calls
 
     def import_events(self, events: Iterable[JournalEvent],
                       check: Callable[[VerifyReport], None] | None = None) -> int:
