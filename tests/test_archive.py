@@ -130,6 +130,19 @@ def test_rebuild_after_an_archive_folds_the_rest_of_the_log_onto_the_archived_pr
     assert invoke("journal", "rebuild", "--db", db).exit_code == 0
     with open_journal(db, readonly=True) as journal:
         assert journal.calls(limit=None) == calls
+    # A row no event made, past the start, is dropped; a projection wiped out comes back whole.
+    _sql(db, "INSERT INTO calls SELECT 'forged', tool, status, attempt, agent_id, idempotency_key, arguments, "
+             "value, error, reason, actor, owner, created_at, updated_at, since, last_seq FROM calls "
+             "WHERE call_id = 'later-1'")
+    assert verify("--db", db)[0] == 1
+    assert invoke("journal", "rebuild", "--db", db).exit_code == 0
+    _sql(db, "DELETE FROM calls")
+    assert verify("--db", db)[0] == 1
+    rebuilt = invoke("journal", "rebuild", "--db", db)
+    assert rebuilt.exit_code == 0 and rebuilt.stdout == f"Rebuilt the projection: {len(calls)} calls\n"
+    with open_journal(db, readonly=True) as journal:
+        assert journal.calls(limit=None) == calls
+    assert verify("--db", db)[0] == 0
 
 
 def _delete_call(db: str, call_id: str) -> None:

@@ -260,8 +260,9 @@ def test_several_archives_keep_verify_and_rebuild_right_and_never_run_a_call_aga
         with open_journal(str(path), readonly=True) as journal:
             assert journal.calls(limit=None) == calls
         assert _verify("--db", str(path))[0] == 0
-    # A rebuild rewrote every row, so every archived call has its copy; the next archive lets them go.
-    assert len(_kept(path)) == len(calls)
+    # A rebuild writes only the rows that differ: the copies kept are those of the rows changed by
+    # hand (and of the call that moved past the start); the next archive lets them go.
+    assert _kept(path) == ["call-ok", "call-timeout", "second-0", "third-2"]
     with open_journal(str(path)) as journal:
         _calls(Tools(journal), "fourth", 2)
     archive_now()

@@ -16,7 +16,7 @@ from ..chain import GENESIS
 from ..errors import JournalDamaged, JournalError
 from ..events import JournalEvent, VerifyReport
 from ..projection import fold_into
-from ..rebuilding import ByCall, changes, refold
+from ..rebuilding import ByCall, archived_changes, changes
 from ..rows import call_row, event_row
 from . import damage, schema
 from .connection import _FULL, _NORMAL, Connection
@@ -123,12 +123,11 @@ class Checking(Connection):
 
         def step(conn: sqlite3.Connection) -> int:
             if archive.sqlite_archived_head(conn)[0]:
-                rows = refold(archive.sqlite_snapshot(conn),
-                              conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"), self._decoded,
-                              advance)
-                conn.execute("DELETE FROM calls")
-                conn.executemany(_UPSERT_CALL, rows)
-                return len(rows)
+                changed = archived_changes(conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
+                                           archive.SQLiteSnapshot(conn), self._decoded, advance)
+                conn.executemany("DELETE FROM calls WHERE call_id = ?", [(c,) for c, row in changed if row is None])
+                conn.executemany(_UPSERT_CALL, [row for _, row in changed if row is not None])
+                return int(conn.execute("SELECT count(*) FROM calls").fetchone()[0])
             return self._rebuilt_by_call(conn, advance)
 
         return self._write(_FULL if self.durability == "full" else _NORMAL, step)
