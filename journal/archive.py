@@ -47,9 +47,9 @@ from .sqlite import schema
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["ArchivePlan", "ArchiveStore", "Archiving", "SQLiteSnapshot", "archive_lines", "archive_steps", "fold_onto",
-           "plan_archive", "postgres_archived_head", "postgres_commit", "postgres_snapshot", "sqlite_archived_head",
-           "sqlite_commit", "sqlite_snapshot", "sqlite_unfinished"]
+__all__ = ["POSTGRES_SNAPSHOT_BY_CALL", "ArchivePlan", "ArchiveStore", "Archiving", "SQLiteSnapshot", "archive_lines",
+           "archive_steps", "fold_onto", "plan_archive", "postgres_archived_head", "postgres_commit", "snapshot_row",
+           "sqlite_archived_head", "sqlite_commit", "sqlite_unfinished"]
 
 _EVENTS = ", ".join(EVENT_COLUMNS)
 _CHUNK = 1 << 20  # about a megabyte of lines a write
@@ -262,18 +262,6 @@ def sqlite_unfinished(conn: sqlite3.Connection) -> tuple[ArchivePlan, str] | Non
     return ArchivePlan(int(row[0]), str(row[1]), int(row[2]), str(row[3]), whole), str(row[4])
 
 
-def sqlite_snapshot(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
-    """The projection as of the start of the log ([] when nothing was archived): the kept row of
-    each call that moved since, and the row of every other call that was there."""
-    start = sqlite_archived_head(conn)[0]
-    if start == 0:
-        return []
-    kept = [_row(*row) for row in conn.execute("SELECT call_id, record FROM calls_archived")]
-    return kept + conn.execute(
-        f"SELECT {_CURRENT} FROM calls c WHERE c.last_seq <= ? AND NOT EXISTS "
-        "(SELECT 1 FROM calls_archived a WHERE a.call_id = c.call_id)", (start,)).fetchall()
-
-
 class SQLiteSnapshot:
     """The projection as of the start of the log, read as verify needs it: the row of each call
     the rest of the log touches (:meth:`seed`, as its first event comes), then every other call
@@ -419,11 +407,14 @@ def postgres_archived_head(conn: psycopg.Connection[tuple[Any, ...]]) -> tuple[i
     return (0, GENESIS) if row is None else (int(row[0]), str(row[1]))
 
 
-def postgres_snapshot(conn: psycopg.Connection[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """The stored projection as of the last archive's head ([] without one)."""
-    if postgres_archived_head(conn)[0] == 0:
-        return []
-    return [_row(*row) for row in conn.execute(b"SELECT call_id, record FROM calls_archived")]
+# The PostgreSQL projection as of the last archive's head, by call id in binary order (rows of
+# call_id and record: see snapshot_row).
+POSTGRES_SNAPSHOT_BY_CALL = 'SELECT call_id, record FROM calls_archived ORDER BY call_id COLLATE "C"'
+
+
+def snapshot_row(call_id: str, record: str) -> tuple[Any, ...]:
+    """A projection row from a row of calls_archived (call_id and its record)."""
+    return _row(call_id, record)
 
 
 def postgres_commit(conn: psycopg.Connection[tuple[Any, ...]], plan: ArchivePlan, file: str,

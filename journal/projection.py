@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar, cast
 
 from guard.store import TRANSITIONS, CallRecord, EffectEvent, apply
 
 from .events import JournalEvent
 
-__all__ = ["FOLD_COLUMNS", "fold", "fold_calls", "fold_into", "fold_row", "record_row"]
+T = TypeVar("T")
+
+__all__ = ["FOLD_COLUMNS", "before", "fold", "fold_calls", "fold_into", "fold_row", "folded_onto", "in_order",
+           "record_row"]
 
 # The event columns a fold reads, in the order of EffectEvent's fields (so a row is an event's arguments).
 FOLD_COLUMNS = ("kind", "call_id", "tool", "at", "agent_id", "idempotency_key", "arguments", "value", "error",
@@ -65,17 +68,69 @@ def fold_calls(rows: Iterable[tuple[Any, ...]]) -> Iterator[CallRecord]:
 
     As in :func:`fold_row`, the stored texts stand in for ``at``, ``error``, ``reason`` and ``owner``.
     """
-    call_id: Any = None
+    return folded_onto((), rows)
+
+
+def folded_onto(seeds: Iterable[tuple[Any, ...]], rows: Iterable[tuple[Any, ...]]) -> Iterator[CallRecord]:
+    """:func:`fold_calls` onto a projection as of the start of the log (a
+    journal with archives): each call's events (``rows`` of
+    :data:`FOLD_COLUMNS`, read by call id) folded onto its row in ``seeds``
+    (projection rows as stored, in the same call id order) when it has one; a row of ``seeds``
+    that no event moves is its own record. Holds one call at a time; ``ValueError`` when either
+    stream is out of order."""
+    seeded = in_order(seeds, lambda seed: seed[0], "the archived projection rows")
+    seed = next(seeded, None)
+    call_id: Any = _NOTHING
     record: CallRecord | None = None
     for row in rows:
         if row[1] != call_id:
             if record is not None:
                 yield record
             call_id, record = row[1], None
-        if row[1] is not None:
+            while seed is not None and before(seed[0], call_id):
+                yield CallRecord(*seed)
+                seed = next(seeded, None)
+            if seed is not None and seed[0] == call_id:
+                record, seed = CallRecord(*seed), next(seeded, None)
+        if call_id is not None:
             record = apply(record, EffectEvent(*row), row[13])
     if record is not None:
         yield record
+    while seed is not None:
+        yield CallRecord(*seed)
+        seed = next(seeded, None)
+
+
+def _rank(call_id: Any) -> tuple[int, Any]:
+    """Where a call id stands in the database's order: NULL, then numbers, then text, then bytes."""
+    if call_id is None:
+        return 0, 0
+    if isinstance(call_id, int | float):
+        return 1, call_id
+    return (2, call_id) if isinstance(call_id, str) else (3, bytes(call_id))
+
+
+def before(a: Any, b: Any) -> bool:
+    """Whether call id ``a`` comes before ``b`` in the database's order."""
+    if type(a) is str and type(b) is str:
+        return a < b
+    return _rank(a) < _rank(b)
+
+
+def in_order(items: Iterable[T], key: Callable[[T], Any], what: str) -> Iterator[T]:
+    """``items`` as they come; ``ValueError`` naming ``what`` once the ``key`` (a call id) of one
+    does not come after the one before, in the database's order."""
+    previous: Any = _NOTHING
+    for item in items:
+        call_id = key(item)
+        if previous is not _NOTHING and not before(previous, call_id):
+            raise ValueError(f"{what} are not in call id order ({previous!r}, then {call_id!r})")
+        previous = call_id
+        yield item
+
+
+
+_NOTHING = object()
 
 
 def record_row(record: CallRecord) -> tuple[Any, ...]:

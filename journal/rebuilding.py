@@ -9,11 +9,11 @@ from typing import Any, Protocol, TypeVar
 
 from guard.store import CallRecord
 
-from .projection import fold_calls, fold_into, fold_row, record_row
-from .rows import call_row, event_from_row, record_from_row
-from .verifying import ADVANCE_EVERY, ArchivedProjection, before, in_order
+from .projection import before, fold_calls, fold_into, fold_row, folded_onto, in_order, record_row
+from .rows import event_from_row, record_from_row
+from .verifying import ADVANCE_EVERY, ArchivedProjection
 
-__all__ = ["ByCall", "Decoding", "archived_changes", "as_logged", "changes", "refold"]
+__all__ = ["ByCall", "Decoding", "archived_changes", "as_logged", "changes"]
 
 log = logging.getLogger("journal")
 
@@ -26,37 +26,23 @@ class Decoding(Protocol):
     def __call__(self, decode: Callable[[Any], T], row: Any) -> T: ...
 
 
-def refold(
-    snapshot: Iterable[tuple[Any, ...]],
-    events: Iterable[tuple[Any, ...]],
-    decoded: Decoding,
-    advance: Callable[[int], None] | None = None,
-) -> list[tuple[Any, ...]]:
-    """The projection rows of the log ``events`` (stored rows, in ``seq`` order) folded onto
-    ``snapshot`` (the stored projection as of the last archive's head; none without one), each
-    event decoded through ``decoded`` (the store's, which names the journal when a row cannot be
-    read). ``advance`` is told of each stretch of events folded."""
-    folded: dict[str, CallRecord] = {row[0]: decoded(record_from_row, row) for row in snapshot}
-    for row in events:
-        if advance is not None and row[0] % ADVANCE_EVERY == 0:
-            advance(ADVANCE_EVERY)
-        fold_into(folded, decoded(event_from_row, row))
-    return [call_row(record) for record in folded.values()]
-
-
 class ByCall:
     """The calls folded from a log read by call id (rows of :data:`~journal.projection.FOLD_COLUMNS`,
-    the kinds that change no record left out), counting the events folded for a progress bar and
-    the calls: :meth:`records` yields them, :meth:`done` tells ``advance`` of the rest of the log."""
+    the kinds that change no record left out), onto ``seeds`` when the journal has archives (see
+    :func:`journal.verifying.folded_onto`), counting the events folded for a progress bar and the
+    calls: :meth:`records` yields them, :meth:`done` tells ``advance`` of the rest of the log."""
 
-    def __init__(self, rows: Iterable[tuple[Any, ...]], advance: Callable[[int], None] | None) -> None:
+    def __init__(self, rows: Iterable[tuple[Any, ...]], advance: Callable[[int], None] | None,
+                 seeds: Iterable[tuple[Any, ...]] | None = None) -> None:
         self._rows = rows
         self._advance = advance
+        self._seeds = seeds  # the projection as of the start of the log, for a journal with archives
         self.folded = 0  # events folded so far
         self.calls = 0
 
     def records(self) -> Iterator[CallRecord]:
-        for record in fold_calls(self._counted()):
+        rows = self._counted()
+        for record in fold_calls(rows) if self._seeds is None else folded_onto(self._seeds, rows):
             self.calls += 1
             yield record
 

@@ -7,8 +7,10 @@ folded with the guard's ``apply`` (:func:`journal.projection.fold_calls`, on the
 the record compared with the call's projection row, read in the same order, as stored text
 (:func:`compare_calls`): a row that the log cannot have produced is told from one merely stale.
 
-A journal with archives folds its log onto the projection as of the last archive's head, which
-:func:`verify_rows` does in one pass over the log, holding the calls it folds. A store hands over
+A journal with archives folds its log onto the projection as of the last archive's head: SQLite
+with :func:`verify_rows`, in one pass over the log, holding the calls it folds; PostgreSQL, whose
+archive keeps a copy of the whole projection, reads that copy by call id beside the log
+(:func:`folded_onto`), one call at a time. A store hands over
 the rows of one read snapshot; what only one backend has to check (PostgreSQL's head row, a SQLite
 file's own pages) it checks around this.
 """
@@ -17,22 +19,20 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from guard.store import TRANSITIONS, CallRecord, EffectEvent, apply
 
 from .chain import GENESIS, ChainCheck, ahead_of_log
 from .events import VerifyReport
 from .export import hash_of_row, row_hash
-from .projection import fold_calls, fold_row, record_row
+from .projection import before, fold_calls, fold_row, record_row
 
-__all__ = ["ADVANCE_EVERY", "ArchivedProjection", "HeldProjection", "before", "check_chain", "check_log",
-           "checked_calls", "compare_calls", "compare_projection", "in_order", "projection_problem", "verify_log",
-           "verify_rows"]
+__all__ = ["ADVANCE_EVERY", "ArchivedProjection", "check_chain", "check_log",
+           "checked_calls", "compare_calls", "compare_projection", "projection_problem",
+           "verify_log", "verify_rows"]
 
 ADVANCE_EVERY = 10_000  # events between two calls of a progress callback
-
-T = TypeVar("T")
 
 
 class ArchivedProjection(Protocol):
@@ -46,32 +46,6 @@ class ArchivedProjection(Protocol):
         """The projection rows to compare with ``folded`` (in call id order); the archived record
         of a call the log did not touch is put into ``folded`` where it is needed."""
         ...
-
-
-class HeldProjection:
-    """An :class:`ArchivedProjection` from the archived rows held in memory, and the current
-    projection's rows (in call id order) read when they are asked for."""
-
-    def __init__(self, archived: Iterable[tuple[Any, ...]], current: Callable[[], Iterable[tuple[Any, ...]]]) -> None:
-        self._archived = {row[0]: row for row in archived}
-        self._current = current
-
-    def seed(self, folded: dict[str, CallRecord], call_id: str | None) -> None:
-        if call_id is not None and call_id not in folded:
-            row = self._archived.pop(call_id, None)
-            if row is not None:
-                folded[call_id] = CallRecord(*row)
-
-    def rows(self, folded: dict[str, CallRecord]) -> Iterator[tuple[Any, ...]]:
-        archived = self._archived  # what is left: the calls the log did not touch
-        for row in self._current():
-            kept = archived.pop(row[0], None)
-            if row[0] in folded or kept is None or tuple(kept) != tuple(row):
-                if kept is not None:
-                    folded.setdefault(row[0], CallRecord(*kept))
-                yield row
-        for call_id, row in archived.items():
-            folded.setdefault(call_id, CallRecord(*row))
 
 
 def verify_rows(
@@ -253,34 +227,6 @@ def checked_calls(rows: Iterable[tuple[Any, ...]]) -> Iterator[CallRecord]:
             ), row[0])
     if record is not None:
         yield record
-
-
-def _rank(call_id: Any) -> tuple[int, Any]:
-    """Where a call id stands in the database's order: NULL, then numbers, then text, then bytes."""
-    if call_id is None:
-        return 0, 0
-    if isinstance(call_id, int | float):
-        return 1, call_id
-    return (2, call_id) if isinstance(call_id, str) else (3, bytes(call_id))
-
-
-def before(a: Any, b: Any) -> bool:
-    """Whether call id ``a`` comes before ``b`` in the database's order."""
-    if type(a) is str and type(b) is str:
-        return a < b
-    return _rank(a) < _rank(b)
-
-
-def in_order(items: Iterable[T], key: Callable[[T], Any], what: str) -> Iterator[T]:
-    """``items`` as they come; ``ValueError`` naming ``what`` once the ``key`` (a call id) of one
-    does not come after the one before, in the database's order."""
-    previous: Any = _NOTHING
-    for item in items:
-        call_id = key(item)
-        if previous is not _NOTHING and not before(previous, call_id):
-            raise ValueError(f"{what} are not in call id order ({previous!r}, then {call_id!r})")
-        previous = call_id
-        yield item
 
 
 def projection_problem(

@@ -19,7 +19,7 @@ from guard.store import CallRecord, EffectEvent, current_owner, parse_at
 from journal import SQLiteJournal, sqlite_verify, verifying
 from journal.chain import GENESIS, hash_of
 from journal.export import row_hash
-from journal.projection import FOLD_COLUMNS, fold_calls, record_row
+from journal.projection import FOLD_COLUMNS, fold_calls, fold_row, folded_onto, record_row
 from journal.rows import CALL_COLUMNS, EVENT_COLUMNS, stamp
 from tests.test_sqlite_verify_parts import _tampers, fill
 
@@ -252,3 +252,47 @@ def test_postgres_rows_by_call_get_the_report_of_the_fold_in_memory(pg_dsn: str,
             assert by_call == journal.verify()
     finally:
         journal.close()
+
+
+_KINDS = ("pending", "committed", "unknown", "released", "replayed", "refused")
+_IDS = st.sampled_from(["a", "b", "ab", "B", "é", "\u4e2d", "a b"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(seeded=st.dictionaries(_IDS, st.tuples(st.sampled_from(("pending", "committed", "unknown", "released")),
+                                              st.integers(1, 3), st.sampled_from(("guard", "operator:ana")))),
+       log=st.lists(st.tuples(_IDS, st.sampled_from(_KINDS), st.integers(1, 3), st.sampled_from(("guard", "x"))),
+                    max_size=25))
+def test_a_log_read_by_call_folds_onto_its_archived_projection_as_in_seq_order(
+    seeded: dict[str, tuple[str, int, str]], log: list[tuple[str, str, int, str]]
+) -> None:
+    at = "2026-12-01T05:00:00.000000Z"
+    seeds = sorted((call_id, "charge", status, attempt, None, None, "{}", '"v"' if status == "committed" else None,
+                    None, None, actor, None, at, at, at, n + 1)
+                   for n, (call_id, (status, attempt, actor)) in enumerate(seeded.items()))
+    rows = [(n + 100, f"2026-12-01T06:{n:02d}:00.000000Z", call_id, kind, "charge", None, None, "{}",
+             '"w"' if kind == "committed" else None, None, None, actor, attempt, None, "p", "h")
+            for n, (call_id, kind, attempt, actor) in enumerate(log)]
+    expected: dict[str, CallRecord] = {seed[0]: CallRecord(*seed) for seed in seeds}
+    for row in rows:  # in seq order, holding every call: the fold a journal with archives is made of
+        fold_row(expected, row)
+    by_call = sorted((row for row in rows if row[3] in ("pending", "committed", "unknown", "released")),
+                     key=lambda row: (row[2], row[0]))
+    folded = list(folded_onto(iter(seeds), [
+        (r[3], r[2], r[4], r[1], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13], r[0]) for r in by_call]))
+    assert [record_row(r) for r in folded] == [record_row(expected[c]) for c in sorted(expected)]
+
+
+def test_a_part_read_by_call_finds_a_row_whose_hash_is_not_its_own(journal: SQLiteJournal) -> None:
+    conn = sqlite3.connect(f"file:{journal.path}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(f"SELECT {_EVENTS} FROM events ORDER BY call_id, seq").fetchall()
+    finally:
+        conn.close()
+    records = list(verifying.checked_calls(rows))
+    assert [r.call_id for r in records] == [r.call_id for r in fold_calls(
+        (row[3], row[2], row[4], row[1], row[5], row[6], row[7], row[8], row[9], row[10], row[11], row[12], row[13],
+         row[0]) for row in rows if row[2] is not None)]
+    altered = [row if row[0] != 7 else (*row[:11], "operator:eve", *row[12:]) for row in rows]
+    with pytest.raises(ValueError, match="seq 7 has been altered"):
+        list(verifying.checked_calls(altered))

@@ -11,8 +11,8 @@ from guard.store import CallRecord
 from .. import archive, verifying
 from ..errors import JournalError
 from ..events import JournalEvent, VerifyReport
-from ..projection import fold_calls, fold_into
-from ..rebuilding import ByCall, changes, refold
+from ..projection import fold_calls, fold_into, folded_onto
+from ..rebuilding import ByCall, changes
 from ..rows import (
     EVENT_COLUMNS,
     call_row,
@@ -31,6 +31,12 @@ def _streamed(conn: Conn, name: str, sql: str) -> Iterator[tuple[Any, ...]]:
         yield from cur
 
 
+def _seeds(conn: Conn) -> Iterator[tuple[Any, ...]]:
+    """The projection as of the last archive's head, by call id, a batch at a time."""
+    for call_id, record in _streamed(conn, "airlock_archived_calls", archive.POSTGRES_SNAPSHOT_BY_CALL):
+        yield archive.snapshot_row(call_id, record)
+
+
 class Checking(Connection):
     """Verify, rebuild and import."""
 
@@ -47,15 +53,9 @@ class Checking(Connection):
         # Ids in binary order (COLLATE "C"), the order the log read by call id is merged in.
         calls = functools.partial(streamed, "airlock_verify_calls", f'{_CALL_SELECT} ORDER BY call_id COLLATE "C"')
         start = archive.postgres_archived_head(conn)
-        events = streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq")
-        archived: verifying.HeldProjection | None = None
-        folded: dict[str, CallRecord] = {}
-        if start[0]:
-            archived = verifying.HeldProjection(archive.postgres_snapshot(conn), calls)
-            check, folded = verifying.check_log(events, start=start, archived=archived, advance=advance)
-        else:
-            # No archive: the chain first, holding one event at a time; then each call, below.
-            check = verifying.check_chain(events, advance=advance)
+        # The chain first, holding one event at a time; then each call, below.
+        check = verifying.check_chain(streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq"), start=start,
+                                      advance=advance)
         report = check.report()
         if not report.ok:
             return report
@@ -75,9 +75,9 @@ class Checking(Connection):
                 ok=False, events=report.events, head=report.head, first_bad_seq=log_end or None,
                 problem=f"the chain head row {head!r} does not match the last event",
             )
-        if archived is not None:
-            return verifying.compare_projection(check, folded, archived.rows(folded))
-        return verifying.compare_calls(check, fold_calls(streamed("airlock_verify_by_call", _BY_CALL)), calls())
+        by_call = streamed("airlock_verify_by_call", _BY_CALL)
+        records = folded_onto(_seeds(conn), by_call) if start[0] else fold_calls(by_call)
+        return verifying.compare_calls(check, records, calls())
 
     def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
         """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls.
@@ -85,18 +85,7 @@ class Checking(Connection):
 
         def work(conn: Conn) -> int:
             conn.execute(_LOCK_HEAD).fetchone()
-            if archive.postgres_archived_head(conn)[0]:
-                # A server-side cursor: the log comes in batches, never whole into this process's memory.
-                with conn.cursor(name="airlock_rebuild") as cur:
-                    cur.itersize = _BATCH
-                    cur.execute(f"{_EVENT_SELECT} ORDER BY seq".encode())
-                    rows = refold(archive.postgres_snapshot(conn), cur, self._decoded, advance)
-                conn.execute(b"DELETE FROM calls")
-                with conn.cursor() as cur:
-                    cur.executemany(_UPSERT_CALL, rows)
-                calls = len(rows)
-            else:
-                calls = self._rebuilt_by_call(conn, advance)
+            calls = self._rebuilt_by_call(conn, advance)
             # Writers that read the old projection must read again: their compare-and-set now fails.
             conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
             return calls
@@ -104,15 +93,17 @@ class Checking(Connection):
         return self._write("rebuild the projection", work, pipeline=False)
 
     def _rebuilt_by_call(self, conn: Conn, advance: Callable[[int], None] | None) -> int:
-        """The projection of a log without archives made its fold, in the write transaction on
-        ``conn``, holding one call at a time: the events that change a record are read by call id
-        and folded on their stored texts (as verify folds them), beside the projection rows read
+        """The projection made the fold of the log, in the write transaction on ``conn``, holding
+        one call at a time: the events that change a record are read by call id and folded on
+        their stored texts (as verify folds them; onto the projection as of the last archive's
+        head, read in the same order, for a journal with archives), beside the projection rows read
         in the same order (server-side cursors, which do not see what this transaction writes
         after they open); only the rows that differ are written, a batch at a time. A stored
         field that cannot be read stops the rebuild with the journal's error."""
         last = conn.execute(b"SELECT coalesce(max(seq), 0) FROM events").fetchone()
         events = int(last[0]) if last is not None else 0
-        folding = ByCall(_streamed(conn, "airlock_rebuild_by_call", _BY_CALL), advance)
+        seeds = _seeds(conn) if archive.postgres_archived_head(conn)[0] else None
+        folding = ByCall(_streamed(conn, "airlock_rebuild_by_call", _BY_CALL), advance, seeds)
         stored = _streamed(conn, "airlock_rebuild_calls", f'{_CALL_SELECT} ORDER BY call_id COLLATE "C"')
         put: list[tuple[Any, ...]] = []
         gone: list[Any] = []
