@@ -1,5 +1,6 @@
-"""Folding the log again: the whole projection for ``rebuild``, one call for a write that does not
-trust its row; written once for both SQL journals."""
+"""Folding the log again: the rows ``rebuild`` writes (those that differ from the fold, found one
+call at a time), and one call for a write that does not trust its row; written once for both SQL
+journals."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class Decoding(Protocol):
 class ByCall:
     """The calls folded from a log read by call id (rows of :data:`~journal.projection.FOLD_COLUMNS`,
     the kinds that change no record left out), onto ``seeds`` when the journal has archives (see
-    :func:`journal.verifying.folded_onto`), counting the events folded for a progress bar and the
+    :func:`journal.projection.folded_onto`), counting the events folded for a progress bar and the
     calls: :meth:`records` yields them, :meth:`done` tells ``advance`` of the rest of the log."""
 
     def __init__(self, rows: Iterable[tuple[Any, ...]], advance: Callable[[int], None] | None,
