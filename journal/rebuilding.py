@@ -14,7 +14,7 @@ from .projection import before, fold_calls, fold_into, fold_row, folded_onto, in
 from .rows import event_from_row, record_from_row
 from .verifying import ADVANCE_EVERY, ArchivedProjection
 
-__all__ = ["ByCall", "Decoding", "archived_changes", "as_logged", "changes"]
+__all__ = ["ByCall", "Decoding", "archived_changes", "as_logged", "changes", "checked_row"]
 
 log = logging.getLogger("journal")
 
@@ -76,17 +76,17 @@ def changes(
     for stored in in_order(rows, lambda row: row[0], "the projection rows"):
         call_id = stored[0]
         while record is not None and before(record.call_id, call_id):
-            yield record.call_id, decoded(_checked_row, record)
+            yield record.call_id, decoded(checked_row, record)
             record = next(folded, None)
         if record is not None and record.call_id == call_id:
-            row = decoded(_checked_row, record)
+            row = decoded(checked_row, record)
             if row != tuple(stored):
                 yield call_id, row
             record = next(folded, None)
         else:
             yield call_id, None
     while record is not None:
-        yield record.call_id, decoded(_checked_row, record)
+        yield record.call_id, decoded(checked_row, record)
         record = next(folded, None)
 
 
@@ -110,14 +110,14 @@ def archived_changes(
         if record is None:
             found.append((stored[0], None))
             continue
-        row = decoded(_checked_row, record)
+        row = decoded(checked_row, record)
         if row != tuple(stored):
             found.append((stored[0], row))
-    found.extend((call_id, decoded(_checked_row, record)) for call_id, record in folded.items())
+    found.extend((call_id, decoded(checked_row, record)) for call_id, record in folded.items())
     return found
 
 
-def _checked_row(record: CallRecord) -> tuple[Any, ...]:
+def checked_row(record: CallRecord) -> tuple[Any, ...]:
     """The projection row of a record folded on stored texts, once it reads back as a record."""
     row = record_row(record)
     record_from_row(row)

@@ -450,6 +450,40 @@ def test_rebuild_drops_rows_no_call_of_the_log_can_make(journal: SQLiteJournal) 
     assert journal.verify().ok
 
 
+def test_rebuild_replaces_a_projection_row_that_is_not_utf8(journal: SQLiteJournal) -> None:
+    fill(journal)
+    before = {c.call_id: c for c in journal.calls(limit=None)}
+    conn = raw(journal)
+    conn.execute("UPDATE calls SET tool = CAST(x'ff' AS TEXT) WHERE call_id = 'c1'")
+    conn.execute("INSERT INTO calls SELECT CAST(x'c3' AS TEXT), tool, status, attempt, agent_id, idempotency_key, "
+                 "arguments, value, error, reason, actor, owner, created_at, updated_at, since, last_seq "
+                 "FROM calls WHERE call_id = 'c2'")
+    conn.close()
+    assert journal.rebuild() == 2
+    assert {c.call_id: c for c in journal.calls(limit=None)} == before
+    assert journal.verify().ok
+
+
+def test_rebuild_after_an_archive_drops_a_row_without_a_call_id(journal: SQLiteJournal) -> None:
+    from journal.archive import plan_archive
+
+    fill(journal)
+    journal.append(event("pending", "c3", minute=9))
+    journal.commit_archive(plan_archive(journal, T0 + timedelta(minutes=4, seconds=30)), "a1.jsonl",
+                           "2026-12-02T00:00:00.000000Z")
+    assert journal.verify().ok
+    before = {c.call_id: c for c in journal.calls(limit=None)}
+    conn = raw(journal)
+    conn.execute("INSERT INTO calls SELECT NULL, tool, status, attempt, agent_id, idempotency_key, arguments, value, "
+                 "error, reason, actor, owner, created_at, updated_at, since, last_seq FROM calls "
+                 "WHERE call_id = 'c3'")  # its last_seq is past the start of the log
+    conn.close()
+    assert not journal.verify().ok
+    assert journal.rebuild() == 3
+    assert {c.call_id: c for c in journal.calls(limit=None)} == before
+    assert journal.verify().ok
+
+
 def test_full_export_of_a_real_journal_verifies_offline(journal: SQLiteJournal) -> None:
     from journal.chain import verify_lines
 

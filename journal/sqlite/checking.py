@@ -16,11 +16,26 @@ from ..chain import GENESIS
 from ..errors import JournalDamaged, JournalError
 from ..events import JournalEvent, VerifyReport
 from ..projection import fold_into
-from ..rebuilding import ByCall, archived_changes, changes
+from ..rebuilding import ByCall, archived_changes, changes, checked_row
 from ..rows import call_row, event_row
 from . import damage, schema
 from .connection import _FULL, _NORMAL, Connection
 from .sql import _CALL_COLUMNS, _EVENT_COLUMNS, _INSERT_EVENT, _SELECT_HEAD, _UPSERT_CALL
+
+
+class _UnreadableRow(Exception):
+    """A projection row read for a rebuild holds a text that is not UTF-8."""
+
+
+def _readable(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+    """The projection ``rows`` a rebuild compares with the fold; :class:`_UnreadableRow` when one
+    holds a text that is not UTF-8."""
+    try:
+        yield from rows
+    except sqlite3.OperationalError as e:
+        if "Could not decode to UTF-8" in str(e):
+            raise _UnreadableRow from e
+        raise
 
 
 class Checking(Connection):
@@ -128,7 +143,7 @@ class Checking(Connection):
             if archive.sqlite_archived_head(conn)[0]:
                 changed = archived_changes(conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
                                            archive.SQLiteSnapshot(conn), self._decoded, advance)
-                conn.executemany("DELETE FROM calls WHERE call_id = ?", [(c,) for c, row in changed if row is None])
+                conn.executemany("DELETE FROM calls WHERE call_id IS ?", [(c,) for c, row in changed if row is None])
                 conn.executemany(_UPSERT_CALL, [row for _, row in changed if row is not None])
                 return int(conn.execute("SELECT count(*) FROM calls").fetchone()[0])
             return self._rebuilt_by_call(conn, advance)
@@ -140,19 +155,34 @@ class Checking(Connection):
         ``conn``, holding one call at a time: the events that change a record are read by call id
         and folded on their stored texts (as verify folds them), beside the projection rows read
         in the same order; only the rows that differ are written (through a temporary table, as
-        the projection is being read), so a sound projection is left as it is. A stored field that
-        cannot be read stops the rebuild with the journal's error, the projection as it was."""
+        the projection is being read), so a sound projection is left as it is. A field of a row the
+        fold makes that cannot be read stops the rebuild with the journal's error, the projection as
+        it was; a projection row that cannot be read (a text that is not UTF-8) has every row
+        replaced by the fold."""
         events = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
         conn.execute("DELETE FROM calls WHERE call_id IS NULL")  # no log makes a row without a call id
         conn.execute("DROP TABLE IF EXISTS temp.airlock_rebuilt")
         conn.execute(f"CREATE TEMP TABLE airlock_rebuilt AS SELECT {_CALL_COLUMNS}, 0 AS gone FROM calls WHERE 0")
-        folding = ByCall(conn.execute(sqlite_verify.BY_CALL), advance)
+        by_call = conn.execute(sqlite_verify.BY_CALL)
         stored = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id")
-        conn.executemany(
-            f"INSERT INTO temp.airlock_rebuilt VALUES ({', '.join('?' * 17)})",
-            ((*row, 0) if row is not None else (call_id, *([None] * 15), 1)
-             for call_id, row in changes(folding.records(), stored, self._decoded)),
-        )
+        folding = ByCall(by_call, advance)
+        try:
+            conn.executemany(
+                f"INSERT INTO temp.airlock_rebuilt VALUES ({', '.join('?' * 17)})",
+                ((*row, 0) if row is not None else (call_id, *([None] * 15), 1)
+                 for call_id, row in changes(folding.records(), _readable(stored), self._decoded)),
+            )
+        except _UnreadableRow:
+            # A row holds a text that is not UTF-8 (its bytes overwritten): it cannot be compared,
+            # so every row is replaced by the fold, as a rebuild did before it compared rows.
+            by_call.close()
+            stored.close()
+            conn.execute("DROP TABLE temp.airlock_rebuilt")
+            conn.execute("DELETE FROM calls")
+            again = ByCall(conn.execute(sqlite_verify.BY_CALL), None)
+            conn.executemany(_UPSERT_CALL, (self._decoded(checked_row, r) for r in again.records()))
+            folding.done(events)
+            return again.calls
         conn.execute("DELETE FROM calls WHERE call_id IN (SELECT call_id FROM temp.airlock_rebuilt WHERE gone)")
         conn.execute(f"INSERT INTO calls ({_CALL_COLUMNS}) SELECT {_CALL_COLUMNS} FROM temp.airlock_rebuilt "
                      f"WHERE NOT gone {_UPSERT_CALL[_UPSERT_CALL.index('ON CONFLICT'):]}")
