@@ -107,7 +107,8 @@ def ahead_of_log(call_id: str, last_seq: Any, attempt: Any, folded: CallRecord |
                 f"(seq {log_end}): {AHEAD}")
     if folded is None:
         return f"the projection has call {call_id!r}, of which the log has no event: {AHEAD}"
-    later_attempt = isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > folded.attempt
+    later_attempt = (isinstance(attempt, int) and not isinstance(attempt, bool) and isinstance(folded.attempt, int)
+                     and attempt > folded.attempt)  # an attempt stored as text (an altered log) is no number
     if last_seq > folded.last_seq or later_attempt:
         return (f"the projection of call {call_id!r} is ahead of its events in the log (seq {last_seq}, attempt "
                 f"{attempt}; the log ends the call at seq {folded.last_seq}, attempt {folded.attempt}): {AHEAD}")

@@ -151,6 +151,31 @@ def test_an_event_without_a_call_is_checked_too(journal: SQLiteJournal) -> None:
         assert journal.verify(parts=parts) == one
 
 
+def _rehash_from(journal: SQLiteJournal, seq: int, change: str) -> None:
+    """Alter event ``seq`` with ``change`` and hash the chain again from there, as someone who
+    rewrites the whole log after it would: every hash and every link then checks out."""
+    conn = raw(journal)
+    conn.execute(f"UPDATE events SET {change} WHERE seq = ?", (seq,))
+    before = conn.execute("SELECT hash FROM events WHERE seq = ?", (seq - 1,)).fetchone()[0]
+    for row in conn.execute(f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE seq >= ? ORDER BY seq",
+                            (seq,)).fetchall():
+        digest = row_hash((*row[:14], before, row[15]))
+        conn.execute("UPDATE events SET prev_hash = ?, hash = ? WHERE seq = ?", (before, digest, row[0]))
+        before = digest
+    conn.close()
+
+
+def test_a_log_rewritten_with_an_attempt_that_is_no_number_gets_a_report(journal: SQLiteJournal) -> None:
+    conn = raw(journal)
+    seq = conn.execute("SELECT seq FROM events WHERE call_id = 'call_0004' AND kind = 'pending'").fetchone()[0]
+    conn.close()
+    _rehash_from(journal, seq, "attempt = 'one'")
+    report = journal.verify(parts=1)
+    assert not report.ok and "call_0004" in (report.problem or "")
+    for parts in (2, 3):
+        assert journal.verify(parts=parts) == report
+
+
 def _parts_say(journal: SQLiteJournal, parts: int) -> bool:
     """What the parts say together, checked in this process: each checks out, and between them
     they hashed every event up to the head once."""
