@@ -34,7 +34,8 @@ Settle = Callable[[CallRecord | None], EffectEvent | None]
 @dataclass(frozen=True, slots=True)
 class OwnerState:
     """Whether a pending call's owner is ``alive`` (None: the call is not pending), and when its
-    lease runs out (None: it has none)."""
+    lease runs out (None: it has none, or the call is not pending: a lease left on a call that
+    ended says nothing of it)."""
 
     alive: bool | None
     lease_expires_at: datetime | None = None
