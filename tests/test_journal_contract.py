@@ -18,6 +18,7 @@ from zoneinfo import ZoneInfo
 import orjson
 import pytest
 
+from guard.leases import OwnerState
 from guard.reconcile import Applied, InDoubtCall, NotApplied
 from guard.store import EffectEvent, format_at
 from journal import CallNotFound, Journal, JournalError, NotResolvable, SQLiteJournal, open_journal
@@ -870,6 +871,13 @@ def test_owner_states_of_many_calls_at_once(journal: Journal) -> None:
     states = journal.owner_states(records)
     assert [states[f"p{n:04d}"].alive for n in range(1203)] == [n % 3 == 0 for n in range(1203)]
     assert [states[f"p{n:04d}"].lease_expires_at is None for n in range(1203)] == [n % 3 == 2 for n in range(1203)]
+
+
+def test_a_lease_left_on_a_call_that_ended_is_not_its_owner_state(history: Journal) -> None:
+    history.take_lease("c-ok", "h1", 3600)  # as a guard killed after its commit, before dropping it
+    record = history.call("c-ok")
+    assert record is not None and record.status == "committed"
+    assert history.owner_states([record])["c-ok"] == OwnerState(None, None)
 
 
 def test_a_live_lease_refuses_a_resolve_without_force(journal: Journal) -> None:
