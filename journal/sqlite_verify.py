@@ -32,12 +32,12 @@ import orjson
 from . import archive, verifying
 from .chain import GENESIS
 from .events import VerifyReport
-from .projection import FOLD_COLUMNS
+from .projection import FOLD_COLUMNS, fold_calls
 from .rows import CALL_COLUMNS, CHANGING_KINDS, EVENT_COLUMNS
 from .sqlite import schema
 
-__all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "SAMPLES", "Tally", "check_part", "child_said", "start_part",
-           "verify_snapshot"]
+__all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "SAMPLES", "Tally", "check_part", "child_said", "index_problem",
+           "start_part", "unindexed", "verify_snapshot"]
 
 # Below this many events one pass is quicker than starting another interpreter.
 PARALLEL_FROM = 200_000
@@ -47,9 +47,9 @@ PATIENCE = 60.0
 @dataclass(frozen=True)
 class Tally:
     """The ``seq`` of the events a part hashed, up to the head, summed as powers 0 to 3. The parts
-    read the log through the index by call id; together they must have hashed every event from 1
-    to the head exactly once, which :meth:`covers` checks: an index that leaves an event out (or
-    names one twice) cannot pass for the table."""
+    read the log through the index by call id, which :func:`unindexed` checks holds every event
+    under its own call id; the tally checks the other way that, together, they hashed every event
+    from 1 to the head once (:meth:`covers`)."""
 
     sums: tuple[int, int, int, int] = (0, 0, 0, 0)
 
@@ -65,12 +65,35 @@ class Tally:
 
 _EVENT_COLUMNS = ", ".join(EVENT_COLUMNS)
 _CALL_COLUMNS = ", ".join(CALL_COLUMNS)
-_FOLD_COLUMNS = ", ".join(FOLD_COLUMNS)
 
 
 # The log by call id, as verify folds it: the events that can change a record, each call's together.
-BY_CALL = (f"SELECT {_FOLD_COLUMNS} FROM events WHERE call_id IS NOT NULL AND kind IN {CHANGING_KINDS} "
-           "ORDER BY call_id, seq")
+# Read through the index on call id, each row's fields taken from the table and only where the
+# index's key is the row's own: an index entry that names another call, or no row, is passed over
+# (an event the index leaves out is found by unindexed()).
+BY_CALL = (f"SELECT {', '.join(f't.{c}' for c in FOLD_COLUMNS)} FROM events AS i JOIN events AS t "
+           f"ON t.seq = i.seq WHERE i.call_id IS NOT NULL AND t.call_id IS i.call_id AND t.kind IN {CHANGING_KINDS} "
+           "ORDER BY i.call_id, i.seq")
+_T_EVENT_COLUMNS = ", ".join(f"t.{c}" for c in EVENT_COLUMNS)
+# The first event from one seq to another that lacks its own entry in the index on call id.
+_UNINDEXED = ("SELECT t.seq FROM events AS t WHERE t.seq BETWEEN ? AND ? AND NOT EXISTS "
+              "(SELECT 1 FROM events AS i INDEXED BY events_call_id WHERE i.call_id IS t.call_id AND i.seq = t.seq) "
+              "ORDER BY t.seq LIMIT 1")
+
+
+def unindexed(conn: sqlite3.Connection, lo: int, hi: int) -> int | None:
+    """The first event from ``lo`` to ``hi`` that the index on call id lacks (under its own call
+    id), or None. The reads by call id (verify's fold, rebuild's) see the log through that index:
+    an index altered or damaged behind SQLite's back (its own quick check does not look) would
+    otherwise hide an event from them."""
+    found = conn.execute(_UNINDEXED, (lo, hi)).fetchone()
+    return None if found is None else int(found[0])
+
+
+def index_problem(seq: int) -> str:
+    """What verify says of an event that the index on call id lacks."""
+    return (f"seq {seq} is missing from the log's index by call id (the file was altered or damaged); "
+            "run rebuild, which makes the index again")
 
 
 def verify_snapshot(conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
@@ -85,12 +108,16 @@ def verify_snapshot(conn: sqlite3.Connection, advance: Callable[[int], None] | N
             lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
             start=base, archived=archive.SQLiteSnapshot(conn), advance=advance,
         )
-    return verifying.verify_log(
-        conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
-        lambda: conn.execute(BY_CALL),
-        lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
-        advance=advance,
-    )
+    check = verifying.check_chain(conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
+                                  advance=advance)
+    if not check.ok:
+        return check.report()
+    missing = unindexed(conn, 1, check.last_seq)
+    if missing is not None:
+        check.fail(missing, index_problem(missing))
+        return check.report()
+    return verifying.compare_calls(check, fold_calls(conn.execute(BY_CALL)),
+                                   conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"))
 
 
 # How many events _bounds samples to cut the calls into parts of about as many events each.
@@ -157,12 +184,14 @@ def _calls_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -> Tal
     bounds = {"lo": lo, "hi": hi}
     log_end = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
     events: Iterable[tuple[Any, ...]] = conn.execute(
-        f"SELECT {_EVENT_COLUMNS} FROM events WHERE {where} ORDER BY call_id, seq", bounds
+        f"SELECT {_T_EVENT_COLUMNS} FROM events AS i JOIN events AS t ON t.seq = i.seq "
+        f"WHERE {where.replace('call_id', 'i.call_id')} AND t.call_id IS i.call_id ORDER BY i.call_id, i.seq", bounds
     )
     if part == 0:
         if conn.execute("SELECT 1 FROM calls WHERE call_id IS NULL LIMIT 1").fetchone() is not None:
             return None  # a row without a call id: the log cannot have produced it
-        callless = conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events WHERE call_id IS NULL ORDER BY seq")
+        callless = conn.execute(f"SELECT {_T_EVENT_COLUMNS} FROM events AS i JOIN events AS t ON t.seq = i.seq "
+                                "WHERE i.call_id IS NULL AND t.call_id IS NULL ORDER BY i.seq")
         events = itertools.chain(callless, events)
     rows = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls WHERE {where} ORDER BY call_id", bounds)
     sums = [0, 0, 0, 0]
@@ -181,7 +210,9 @@ def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -
     try:
         conn.execute("BEGIN")  # the projection and the log it is compared with, at one moment
         lo, hi = _range(part, parts, head)
-        return _calls_ok(conn, part, parts, head) if _links_ok(conn, lo, hi) else None
+        if not _links_ok(conn, lo, hi) or unindexed(conn, lo, hi) is not None:
+            return None
+        return _calls_ok(conn, part, parts, head)
     except (sqlite3.Error, ValueError, TypeError, AttributeError):
         return None  # a stored field that cannot be read, or ids out of order: the one-pass check names it
     finally:

@@ -220,6 +220,53 @@ def test_an_event_the_index_by_call_leaves_out_is_still_hashed(journal: SQLiteJo
         assert journal.verify(parts=parts) == one
 
 
+def _index_as(journal: SQLiteJournal, key: str) -> None:
+    """Make the index on call id again from the key expression ``key`` instead of ``call_id``
+    (behind SQLite's back: its quick check does not look), then put its definition back."""
+    conn = raw(journal)
+    sql = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'events_call_id'").fetchone()[0]
+    conn.execute("PRAGMA writable_schema = ON")
+    conn.execute("UPDATE sqlite_schema SET sql = ? WHERE name = 'events_call_id'",
+                 (f"CREATE INDEX events_call_id ON events ({key}, seq)",))
+    conn.close()
+    conn = raw(journal)
+    conn.execute("REINDEX events_call_id")
+    conn.execute("PRAGMA writable_schema = ON")
+    conn.execute("UPDATE sqlite_schema SET sql = ? WHERE name = 'events_call_id'", (sql,))
+    conn.close()
+
+
+def test_an_event_moved_to_another_call_under_its_old_index_key_is_found(journal: SQLiteJournal) -> None:
+    """The parts read each event's call id from the table, not from the index's copy of it."""
+    conn = raw(journal)
+    seq = conn.execute("SELECT seq FROM events WHERE call_id = 'call_0001' AND kind = 'committed'").fetchone()[0]
+    conn.execute("UPDATE events SET call_id = 'call_0005' WHERE seq = ?", (seq,))
+    conn.close()
+    _index_as(journal, f"CASE WHEN seq = {seq} THEN 'call_0001' ELSE call_id END")
+    one = journal.verify(parts=1)
+    assert not one.ok and one.first_bad_seq == seq
+    for parts in (2, 3, 4):
+        assert not _parts_say(journal, parts)
+        assert journal.verify(parts=parts) == one
+
+
+def test_an_index_that_files_an_event_under_another_call_is_reported_and_rebuilt(journal: SQLiteJournal) -> None:
+    """The table intact, only the index wrong: verify names the event the index lacks, and
+    rebuild, which reads the log through the index, makes the index again before it folds."""
+    calls = journal.calls(limit=None)
+    conn = raw(journal)
+    seq = conn.execute("SELECT seq FROM events WHERE call_id = 'call_0001' AND kind = 'committed'").fetchone()[0]
+    conn.close()
+    _index_as(journal, f"CASE WHEN seq = {seq} THEN 'call_0005' ELSE call_id END")
+    one = journal.verify(parts=1)
+    assert (one.ok, one.first_bad_seq) == (False, seq) and "index" in (one.problem or "")
+    for parts in (2, 3):
+        assert journal.verify(parts=parts) == one
+    journal.rebuild()
+    assert journal.calls(limit=None) == calls  # call_0001 still committed: a retry is replayed, never run
+    assert journal.verify(parts=1).ok and journal.verify(parts=2).ok
+
+
 def test_each_call_is_checked_by_exactly_one_part(journal: SQLiteJournal) -> None:
     head = journal.head()[0]
     for n in range(CALLS):

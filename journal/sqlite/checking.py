@@ -160,6 +160,8 @@ class Checking(Connection):
         it was; a projection row that cannot be read (a text that is not UTF-8) has every row
         replaced by the fold."""
         events = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        if sqlite_verify.unindexed(conn, 1, events) is not None:
+            conn.execute("REINDEX events_call_id")  # the log is read through it: made again from the table
         conn.execute("DELETE FROM calls WHERE call_id IS NULL")  # no log makes a row without a call id
         conn.execute("DROP TABLE IF EXISTS temp.airlock_rebuilt")
         conn.execute(f"CREATE TEMP TABLE airlock_rebuilt AS SELECT {_CALL_COLUMNS}, 0 AS gone FROM calls WHERE 0")
