@@ -189,6 +189,21 @@ def _parts_say(journal: SQLiteJournal, parts: int) -> bool:
     return total.covers(head)
 
 
+def _index_as(journal: SQLiteJournal, definition: str) -> None:
+    """Make the index on call id again by ``definition`` (a CREATE INDEX statement) behind SQLite's
+    back, then put its own definition back: its quick check does not look at what it holds."""
+    conn = raw(journal)
+    sql = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'events_call_id'").fetchone()[0]
+    conn.execute("PRAGMA writable_schema = ON")
+    conn.execute("UPDATE sqlite_schema SET sql = ? WHERE name = 'events_call_id'", (definition,))
+    conn.close()
+    conn = raw(journal)
+    conn.execute("REINDEX events_call_id")
+    conn.execute("PRAGMA writable_schema = ON")
+    conn.execute("UPDATE sqlite_schema SET sql = ? WHERE name = 'events_call_id'", (sql,))
+    conn.close()
+
+
 @pytest.mark.parametrize("callless", [True, False])
 def test_an_event_the_index_by_call_leaves_out_is_still_hashed(journal: SQLiteJournal, callless: bool) -> None:
     """The parts read the log through the index on call id: an index that lacks an event (its
@@ -196,15 +211,8 @@ def test_an_event_the_index_by_call_leaves_out_is_still_hashed(journal: SQLiteJo
     conn = raw(journal)
     where = "call_id IS NULL" if callless else "call_id = 'call_0007'"
     seq = conn.execute(f"SELECT min(seq) FROM events WHERE {where}").fetchone()[0]
-    sql = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'events_call_id'").fetchone()[0]
-    conn.execute("PRAGMA writable_schema = ON")
-    conn.execute("UPDATE sqlite_schema SET sql = ? WHERE name = 'events_call_id'", (f"{sql} WHERE seq <> {seq}",))
     conn.close()
-    conn = raw(journal)
-    conn.execute("REINDEX events_call_id")
-    conn.execute("PRAGMA writable_schema = ON")
-    conn.execute("UPDATE sqlite_schema SET sql = ? WHERE name = 'events_call_id'", (sql,))
-    conn.close()
+    _index_as(journal, f"CREATE INDEX events_call_id ON events (call_id, seq) WHERE seq <> {seq}")
     # The parts cannot vouch for an event they did not read: the one pass, which reads the table in
     # seq order, gives the report.
     assert not _parts_say(journal, 2)
@@ -220,29 +228,14 @@ def test_an_event_the_index_by_call_leaves_out_is_still_hashed(journal: SQLiteJo
         assert journal.verify(parts=parts) == one
 
 
-def _index_as(journal: SQLiteJournal, key: str) -> None:
-    """Make the index on call id again from the key expression ``key`` instead of ``call_id``
-    (behind SQLite's back: its quick check does not look), then put its definition back."""
-    conn = raw(journal)
-    sql = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'events_call_id'").fetchone()[0]
-    conn.execute("PRAGMA writable_schema = ON")
-    conn.execute("UPDATE sqlite_schema SET sql = ? WHERE name = 'events_call_id'",
-                 (f"CREATE INDEX events_call_id ON events ({key}, seq)",))
-    conn.close()
-    conn = raw(journal)
-    conn.execute("REINDEX events_call_id")
-    conn.execute("PRAGMA writable_schema = ON")
-    conn.execute("UPDATE sqlite_schema SET sql = ? WHERE name = 'events_call_id'", (sql,))
-    conn.close()
-
-
 def test_an_event_moved_to_another_call_under_its_old_index_key_is_found(journal: SQLiteJournal) -> None:
     """The parts read each event's call id from the table, not from the index's copy of it."""
     conn = raw(journal)
     seq = conn.execute("SELECT seq FROM events WHERE call_id = 'call_0001' AND kind = 'committed'").fetchone()[0]
     conn.execute("UPDATE events SET call_id = 'call_0005' WHERE seq = ?", (seq,))
     conn.close()
-    _index_as(journal, f"CASE WHEN seq = {seq} THEN 'call_0001' ELSE call_id END")
+    _index_as(journal, f"CREATE INDEX events_call_id ON events "
+                       f"(CASE WHEN seq = {seq} THEN 'call_0001' ELSE call_id END, seq)")
     one = journal.verify(parts=1)
     assert not one.ok and one.first_bad_seq == seq
     for parts in (2, 3, 4):
@@ -257,7 +250,8 @@ def test_an_index_that_files_an_event_under_another_call_is_reported_and_rebuilt
     conn = raw(journal)
     seq = conn.execute("SELECT seq FROM events WHERE call_id = 'call_0001' AND kind = 'committed'").fetchone()[0]
     conn.close()
-    _index_as(journal, f"CASE WHEN seq = {seq} THEN 'call_0005' ELSE call_id END")
+    _index_as(journal, f"CREATE INDEX events_call_id ON events "
+                       f"(CASE WHEN seq = {seq} THEN 'call_0005' ELSE call_id END, seq)")
     one = journal.verify(parts=1)
     assert (one.ok, one.first_bad_seq) == (False, seq) and "index" in (one.problem or "")
     for parts in (2, 3):
