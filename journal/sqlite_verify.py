@@ -10,8 +10,7 @@ problem, the journal is verified again in one pass, which names the first bad ev
 always does.
 
 A part runs in this process or in a child: ``python -m journal.sqlite_verify PATH PART PARTS HEAD``
-prints ``{"ok":true,"tally":[...]}`` (the part's :class:`Tally`, as decimal texts) or
-``{"ok":false}``.
+prints ``{"ok":true}`` or ``{"ok":false}``.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,32 +34,13 @@ from .projection import FOLD_COLUMNS, fold_calls
 from .rows import CALL_COLUMNS, CHANGING_KINDS, EVENT_COLUMNS
 from .sqlite import schema
 
-__all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "SAMPLES", "Tally", "check_part", "child_said", "index_problem",
+__all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "SAMPLES", "check_part", "child_said_ok", "index_problem",
            "start_part", "unindexed", "verify_snapshot"]
 
 # Below this many events one pass is quicker than starting another interpreter.
 PARALLEL_FROM = 200_000
 # How long a child may take beyond three times this process's own part before it is given up.
 PATIENCE = 60.0
-
-@dataclass(frozen=True)
-class Tally:
-    """The ``seq`` of the events a part hashed, up to the head, summed as powers 0 to 3. The parts
-    read the log through the index by call id, which :func:`unindexed` checks holds every event
-    under its own call id; the tally checks the other way that, together, they hashed every event
-    from 1 to the head once (:meth:`covers`)."""
-
-    sums: tuple[int, int, int, int] = (0, 0, 0, 0)
-
-    def __add__(self, other: Tally) -> Tally:
-        a, b = self.sums, other.sums
-        return Tally((a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]))
-
-    def covers(self, head: int) -> bool:
-        """Whether these are the sums of 1 to ``head``, each once."""
-        n = head
-        return self.sums == (n, n * (n + 1) // 2, n * (n + 1) * (2 * n + 1) // 6, (n * (n + 1) // 2) ** 2)
-
 
 _EVENT_COLUMNS = ", ".join(EVENT_COLUMNS)
 _CALL_COLUMNS = ", ".join(CALL_COLUMNS)
@@ -171,13 +150,14 @@ def _links_ok(conn: sqlite3.Connection, lo: int, hi: int) -> bool:
     return bool(linked == hi - lo + 1)  # no gap, and no link broken
 
 
-def _calls_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -> Tally | None:
+def _calls_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -> bool:
     """The events of this part's share of the calls (:func:`_bounds`), each hash recomputed and
     each call folded from its events in the whole log, are sound and exactly their stored
     projection rows (part 0 also checks the events without a call id, and looks for a row without
     a call id, which only an altered journal has). One read of the log by call id, holding one
-    call at a time, beside the projection rows. The :class:`Tally` of the events it hashed, or
-    None when anything is wrong."""
+    call at a time, beside the projection rows. Every event of the log is read by the part whose
+    range holds its call id, as :func:`unindexed` shows the index it is read through holds each
+    under its own."""
     lo, hi = _bounds(conn, part, parts, head)
     where = " AND ".join(["call_id IS NOT NULL", *(["call_id >= :lo"] if lo is not None else []),
                           *(["call_id < :hi"] if hi is not None else [])])
@@ -189,32 +169,24 @@ def _calls_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -> Tal
     )
     if part == 0:
         if conn.execute("SELECT 1 FROM calls WHERE call_id IS NULL LIMIT 1").fetchone() is not None:
-            return None  # a row without a call id: the log cannot have produced it
+            return False  # a row without a call id: the log cannot have produced it
         callless = conn.execute(f"SELECT {_T_EVENT_COLUMNS} FROM events AS i JOIN events AS t ON t.seq = i.seq "
                                 "WHERE i.call_id IS NULL AND t.call_id IS NULL ORDER BY i.seq")
         events = itertools.chain(callless, events)
     rows = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls WHERE {where} ORDER BY call_id", bounds)
-    sums = [0, 0, 0, 0]
-    records = verifying.checked_calls(events, sums, head)
-    if verifying.projection_problem(records, rows, log_end) is not None:
-        return None
-    return Tally((sums[0], sums[1], sums[2], sums[3]))
+    return verifying.projection_problem(verifying.checked_calls(events), rows, log_end) is None
 
 
-def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -> Tally | None:
+def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -> bool:
     """Check one part of the journal at ``path`` whose head was ``head`` (a snapshot of its own:
-    events are only ever appended, so events up to ``head`` are the same in any later snapshot):
-    the :class:`Tally` of the events it hashed when all is well, None otherwise. The journal checks
-    out when every part does and the parts' tallies add up to one that covers the head."""
+    events are only ever appended, so events up to ``head`` are the same in any later snapshot)."""
     conn = sqlite3.connect(schema.reader_uri(Path(path)), uri=True, isolation_level=None)
     try:
         conn.execute("BEGIN")  # the projection and the log it is compared with, at one moment
         lo, hi = _range(part, parts, head)
-        if not _links_ok(conn, lo, hi) or unindexed(conn, lo, hi) is not None:
-            return None
-        return _calls_ok(conn, part, parts, head)
+        return _links_ok(conn, lo, hi) and unindexed(conn, lo, hi) is None and _calls_ok(conn, part, parts, head)
     except (sqlite3.Error, ValueError, TypeError, AttributeError):
-        return None  # a stored field that cannot be read, or ids out of order: the one-pass check names it
+        return False  # a stored field that cannot be read, or ids out of order: the one-pass check names it
     finally:
         with contextlib.suppress(sqlite3.Error):
             conn.close()
@@ -237,10 +209,9 @@ def start_part(path: Path, part: int, parts: int, head: int) -> subprocess.Popen
         return None
 
 
-def child_said(child: subprocess.Popen[bytes], timeout: float) -> Tally | None:
-    """What a child found: the :class:`Tally` of a part that checks out; None when it found a
-    problem, or said nothing readable within ``timeout`` seconds (it failed, or hangs: it is then
-    killed)."""
+def child_said_ok(child: subprocess.Popen[bytes], timeout: float) -> bool | None:
+    """What a child said: True or False; None when it said nothing readable within ``timeout``
+    seconds (it failed, or hangs: it is then killed)."""
     try:
         out, _ = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -251,10 +222,9 @@ def child_said(child: subprocess.Popen[bytes], timeout: float) -> Tally | None:
         return None
     try:
         said = orjson.loads(out)
-        sums = said["tally"] if said["ok"] is True else None
-        return Tally((int(sums[0]), int(sums[1]), int(sums[2]), int(sums[3]))) if sums is not None else None
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError):
+    except orjson.JSONDecodeError:
         return None
+    return said.get("ok") if isinstance(said, dict) and isinstance(said.get("ok"), bool) else None
 
 
 def main(argv: list[str]) -> int:
@@ -265,9 +235,7 @@ def main(argv: list[str]) -> int:
     except (IndexError, ValueError):
         sys.stderr.write("usage: python -m journal.sqlite_verify PATH PART PARTS HEAD\n")
         return 2
-    tally = check_part(path, part, parts, head)
-    said = {"ok": False} if tally is None else {"ok": True, "tally": [str(n) for n in tally.sums]}
-    sys.stdout.buffer.write(orjson.dumps(said) + b"\n")
+    sys.stdout.buffer.write(orjson.dumps({"ok": check_part(path, part, parts, head)}) + b"\n")
     return 0
 
 

@@ -195,8 +195,7 @@ def compare_calls(check: ChainCheck, records: Iterable[CallRecord], rows: Iterab
     return check.report()
 
 
-def checked_calls(rows: Iterable[tuple[Any, ...]], sums: list[int] | None = None, upto: int = 0
-                  ) -> Iterator[CallRecord]:
+def checked_calls(rows: Iterable[tuple[Any, ...]]) -> Iterator[CallRecord]:
     """The record of each call folded from ``rows`` (:data:`~journal.rows.EVENT_COLUMNS`, each
     call's rows together and in ``seq`` order: a log read by call id), every row's hash recomputed
     on the way. Holds one call at a time; rows without a call id are checked and fold to nothing.
@@ -204,9 +203,7 @@ def checked_calls(rows: Iterable[tuple[Any, ...]], sums: list[int] | None = None
     This is the check of :func:`check_chain` without the links (which need the log in ``seq``
     order: a store checks them apart, see :mod:`journal.sqlite_verify`) and the fold of
     :func:`journal.projection.fold_calls`, in one read of the log. ``ValueError`` names the first
-    row, in this order, whose hash is not the one its fields give. ``sums``, when given, has the
-    ``seq`` of each row hashed from 1 to ``upto`` added in, as powers 0 to 3 (which events were
-    read: see :class:`journal.sqlite_verify.Tally`).
+    row, in this order, whose hash is not the one its fields give.
     """
     call_id: Any = _NOTHING
     record: CallRecord | None = None
@@ -219,12 +216,6 @@ def checked_calls(rows: Iterable[tuple[Any, ...]], sums: list[int] | None = None
             digest = None if arguments is None else sha256(arguments.encode()).hexdigest()
         if hash_of_row(row, digest) != row[15]:
             raise ValueError(f"seq {row[0]!r} has been altered: its hash is not the one its fields give")
-        if sums is not None and type(seq := row[0]) is int and 1 <= seq <= upto:
-            square = seq * seq
-            sums[0] += 1
-            sums[1] += seq
-            sums[2] += square
-            sums[3] += square * seq
         if row[2] != call_id:
             if record is not None:
                 yield record
