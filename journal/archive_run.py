@@ -22,10 +22,9 @@ from guard.store import CallRecord
 
 from . import archive, verifying
 from .archive import ArchivePlan, ArchiveStore
-from .chain import ahead_of_log
 from .errors import JournalError
 from .events import VerifyReport
-from .projection import fold_row, record_row
+from .projection import fold_row
 from .rows import CALL_COLUMNS, EVENT_COLUMNS
 from .sqlite import SQLiteJournal, schema
 
@@ -187,7 +186,7 @@ def _projection_problem(conn: sqlite3.Connection, start: int, log_end: int) -> t
         kept = iter(conn.execute("SELECT call_id, record FROM calls_archived ORDER BY call_id"))
     nexts: dict[str, Any] = {"e": next(events, None), "c": next(calls, None), "k": next(kept, None)}
     stale: tuple[int | None, str] | None = None
-    lacks: tuple[int, str] | None = None
+    lacking: tuple[int, str] | None = None
     while any(v is not None for v in nexts.values()):
         call_id = min(v[0] for v in nexts.values() if v is not None)
         group = nexts["e"][1] if nexts["e"] is not None and nexts["e"][0] == call_id else []
@@ -211,15 +210,13 @@ def _projection_problem(conn: sqlite3.Connection, start: int, log_end: int) -> t
             fold_row(folded, event[1:])
         expected = folded.get(call_id)
         if row is None:
-            if expected is not None and (lacks is None or expected.last_seq < lacks[0]):
-                lacks = expected.last_seq, f"the projection lacks call {call_id!r}; run rebuild"
+            if expected is not None and (lacking is None or expected.last_seq < lacking[0]):
+                lacking = verifying.lacks(expected)
             continue
-        if expected is not None and record_row(expected) == tuple(row):
-            continue
-        ahead = ahead_of_log(str(call_id), row[15], row[3], expected, log_end)
-        if ahead is not None:
-            return row[15], ahead
-        if stale is None:
-            stale = (expected.last_seq if expected is not None else row[15],
-                     f"the projection of call {call_id!r} differs from the log; run rebuild")
-    return stale if stale is not None else lacks
+        found = verifying.row_problem(row, expected, log_end)
+        if found is not None:
+            ahead, problem = found
+            if ahead:
+                return problem
+            stale = stale or problem
+    return stale if stale is not None else lacking

@@ -29,7 +29,7 @@ from .export import hash_of_row, row_hash
 from .projection import before, fold_calls, fold_row, record_row
 
 __all__ = ["ADVANCE_EVERY", "ArchivedProjection", "check_chain", "check_log",
-           "checked_calls", "compare_calls", "compare_projection", "projection_problem",
+           "checked_calls", "compare_calls", "compare_projection", "lacks", "projection_problem", "row_problem",
            "verify_log", "verify_rows"]
 
 ADVANCE_EVERY = 10_000  # events between two calls of a progress callback
@@ -103,24 +103,42 @@ def compare_projection(
     any stale one: its problem says events may have been removed from the end, and does not advise
     a rebuild, which would erase it. A stale or edited row, or a missing one, advises a rebuild.
     """
-    stale: tuple[int, str] | None = None
+    stale: tuple[int | None, str] | None = None
     for row in rows:
-        expected = folded.pop(row[0], None)
-        if expected is not None and record_row(expected) == tuple(row):
-            continue
-        ahead = ahead_of_log(str(row[0]), row[15], row[3], expected, check.last_seq)
-        if ahead is not None:
-            check.fail(row[15], ahead)
-            return check.report()
-        if stale is None:
-            seq = expected.last_seq if expected is not None else row[15]
-            stale = seq, f"the projection of call {row[0]!r} differs from the log; run rebuild"
+        found = row_problem(row, folded.pop(row[0], None), check.last_seq)
+        if found is not None:
+            ahead, problem = found
+            if ahead:
+                check.fail(*problem)
+                return check.report()
+            stale = stale or problem
     if stale is not None:
         check.fail(*stale)
     elif folded:
-        call_id, record = min(folded.items(), key=lambda item: item[1].last_seq)
-        check.fail(record.last_seq, f"the projection lacks call {call_id!r}; run rebuild")
+        check.fail(*lacks(min(folded.values(), key=lambda record: record.last_seq)))
     return check.report()
+
+
+def row_problem(
+    row: tuple[Any, ...], expected: CallRecord | None, log_end: int
+) -> tuple[bool, tuple[int | None, str]] | None:
+    """What is wrong with the projection ``row`` of a call the log folds to ``expected`` (None:
+    the log makes no record of it), whose last event is ``log_end``: None when nothing is; else
+    ``(True, problem)`` for a row the log cannot have produced (see
+    :func:`journal.chain.ahead_of_log`), named before any other, or ``(False, problem)`` for a row
+    stale or edited. A problem is its seq and what it is."""
+    if expected is not None and record_row(expected) == tuple(row):
+        return None
+    ahead = ahead_of_log(str(row[0]), row[15], row[3], expected, log_end)
+    if ahead is not None:
+        return True, (row[15], ahead)
+    return False, (expected.last_seq if expected is not None else row[15],
+                   f"the projection of call {row[0]!r} differs from the log; run rebuild")
+
+
+def lacks(record: CallRecord) -> tuple[int, str]:
+    """The problem of a projection that lacks the call folded to ``record``."""
+    return record.last_seq, f"the projection lacks call {record.call_id!r}; run rebuild"
 
 
 def verify_log(
@@ -258,23 +276,19 @@ def projection_problem(
         expected = None
         if record is not None and record.call_id == call_id:
             expected, record = record, _next_in_order(folded, record)
-            if record_row(expected) == tuple(row):
-                continue
-        ahead = ahead_of_log(str(call_id), row[15], row[3], expected, log_end)
-        if ahead is not None:
-            return row[15], ahead
-        if stale is None:
-            stale = (expected.last_seq if expected is not None else row[15],
-                     f"the projection of call {call_id!r} differs from the log; run rebuild")
+        found = row_problem(row, expected, log_end)
+        if found is not None:
+            ahead, problem = found
+            if ahead:
+                return problem
+            stale = stale or problem
     while record is not None:
         if lacking is None or record.last_seq < lacking.last_seq:
             lacking = record
         record = _next_in_order(folded, record)
     if stale is not None:
         return stale
-    if lacking is not None:
-        return lacking.last_seq, f"the projection lacks call {lacking.call_id!r}; run rebuild"
-    return None
+    return lacks(lacking) if lacking is not None else None
 
 
 _NOTHING = object()
