@@ -21,7 +21,7 @@ from journal.chain import GENESIS, hash_of
 from journal.export import row_hash
 from journal.projection import FOLD_COLUMNS, fold_calls, fold_row, folded_onto, record_row
 from journal.rows import CALL_COLUMNS, EVENT_COLUMNS, stamp
-from tests.test_sqlite_verify_parts import _tampers, fill
+from tests.test_sqlite_verify_parts import _tampers, fill, raw
 
 _EVENTS = ", ".join(EVENT_COLUMNS)
 _CALLS = ", ".join(CALL_COLUMNS)
@@ -51,13 +51,6 @@ def journal(tmp_path: Path) -> Any:
     more_history(j)
     yield j
     j.close()
-
-
-def raw(journal: SQLiteJournal) -> sqlite3.Connection:
-    conn = sqlite3.connect(journal.path, isolation_level=None)
-    conn.execute("DROP TRIGGER IF EXISTS events_no_update")
-    conn.execute("DROP TRIGGER IF EXISTS events_no_delete")
-    return conn
 
 
 def holding_every_call(conn: sqlite3.Connection) -> verifying.VerifyReport:
