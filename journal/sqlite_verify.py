@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from . import archive, verifying
-from .chain import GENESIS
+from .chain import GENESIS, ChainCheck
 from .events import VerifyReport
 from .projection import FOLD_COLUMNS, fold_calls
 from .rows import CALL_COLUMNS, CHANGING_KINDS, EVENT_COLUMNS
@@ -87,16 +87,16 @@ def verify_snapshot(conn: sqlite3.Connection, advance: Callable[[int], None] | N
             lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
             start=base, archived=archive.SQLiteSnapshot(conn), advance=advance,
         )
-    check = verifying.check_chain(conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
-                                  advance=advance)
-    if not check.ok:
-        return check.report()
-    missing = unindexed(conn, 1, check.last_seq)
-    if missing is not None:
-        check.fail(missing, index_problem(missing))
-        return check.report()
-    return verifying.compare_calls(check, fold_calls(conn.execute(BY_CALL)),
-                                   conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"))
+    def indexed(check: ChainCheck) -> tuple[int | None, str] | None:
+        missing = unindexed(conn, 1, check.last_seq)
+        return None if missing is None else (missing, index_problem(missing))
+
+    return verifying.verify_log(
+        conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
+        lambda: fold_calls(conn.execute(BY_CALL)),
+        lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
+        between=indexed, advance=advance,
+    )
 
 
 # How many events _bounds samples to cut the calls into parts of about as many events each.

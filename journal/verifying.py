@@ -26,7 +26,7 @@ from guard.store import TRANSITIONS, CallRecord, EffectEvent, apply
 from .chain import GENESIS, ChainCheck, ahead_of_log
 from .events import VerifyReport
 from .export import hash_of_row, row_hash
-from .projection import before, fold_calls, fold_row, record_row
+from .projection import before, fold_row, record_row
 
 __all__ = ["ADVANCE_EVERY", "ArchivedProjection", "check_chain", "check_log",
            "checked_calls", "compare_calls", "compare_projection", "lacks", "projection_problem", "row_problem",
@@ -143,26 +143,34 @@ def lacks(record: CallRecord) -> tuple[int, str]:
 
 def verify_log(
     events: Iterable[tuple[Any, ...]],
-    calls_events: Callable[[], Iterable[tuple[Any, ...]]],
+    records: Callable[[], Iterable[CallRecord]],
     calls: Callable[[], Iterable[tuple[Any, ...]]],
     *,
+    start: tuple[int, str] = (0, GENESIS),
+    between: Callable[[ChainCheck], tuple[int | None, str] | None] | None = None,
     advance: Callable[[int], None] | None = None,
 ) -> VerifyReport:
-    """The report of a journal without archives, in bounded memory.
+    """The report of a journal, in bounded memory.
 
-    ``events``: the stored rows of the log (:data:`~journal.rows.EVENT_COLUMNS`) in ``seq`` order.
-    Read once the chain has checked out, in one snapshot with it: ``calls_events()``, the log's rows
-    of :data:`~journal.projection.FOLD_COLUMNS` ordered by call id, then ``seq`` (the rows without a
-    call id may be left out, and so may the kinds that change no record); ``calls()``, the projection
-    rows (:data:`~journal.rows.CALL_COLUMNS`) ordered by call id. Both orders are the database's
-    binary order of the ids (the order of Python's ``<`` on text; no id comes before ``NULL``, every
-    number before any text); ``ValueError`` when a stream is out of order. ``advance`` is told of
-    each stretch of events checked.
+    ``events``: the stored rows of the log (:data:`~journal.rows.EVENT_COLUMNS`) in ``seq`` order,
+    from the one after ``start``. Read once the chain has checked out, in one snapshot with it:
+    ``records()``, each call folded from the log read by call id (:func:`journal.projection.fold_calls`,
+    or :func:`journal.projection.folded_onto` a journal's projection as of its last archive), and
+    ``calls()``, the projection rows (:data:`~journal.rows.CALL_COLUMNS`), both in the database's
+    binary order of the ids (the order of Python's ``<`` on text; no id comes before ``NULL``,
+    every number before any text); ``ValueError`` when a stream is out of order. ``between`` is
+    given the chain once it has checked out, and names what the store itself finds wrong before
+    the calls are compared (its seq, and what it is), or None. ``advance`` is told of each
+    stretch of events checked.
     """
-    check = check_chain(events, advance=advance)
+    check = check_chain(events, start=start, advance=advance)
     if not check.ok:
         return check.report()
-    return compare_calls(check, fold_calls(calls_events()), calls())
+    problem = between(check) if between is not None else None
+    if problem is not None:
+        check.fail(*problem)
+        return check.report()
+    return compare_calls(check, records(), calls())
 
 
 def check_chain(

@@ -199,8 +199,8 @@ def pg_by_call(conn: Any) -> verifying.VerifyReport:
     kinds = "('committed', 'pending', 'released', 'unknown')"
     return verifying.verify_log(
         streamed("v_events", f"SELECT {_EVENTS} FROM events ORDER BY seq"),
-        lambda: streamed("v_by_call", f"SELECT {', '.join(FOLD_COLUMNS)} FROM events WHERE call_id IS NOT NULL "
-                                      f'AND kind IN {kinds} ORDER BY call_id COLLATE "C", seq'),
+        lambda: fold_calls(streamed("v_by_call", f"SELECT {', '.join(FOLD_COLUMNS)} FROM events WHERE call_id IS "
+                                                 f'NOT NULL AND kind IN {kinds} ORDER BY call_id COLLATE "C", seq')),
         lambda: streamed("v_calls", f'SELECT {_CALLS} FROM calls ORDER BY call_id COLLATE "C"'),
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 from guard.store import CallRecord
 
 from .. import archive, verifying
+from ..chain import ChainCheck
 from ..errors import JournalError
 from ..events import JournalEvent, VerifyReport
 from ..projection import fold_calls, fold_into, folded_onto
@@ -53,31 +54,28 @@ class Checking(Connection):
         # Ids in binary order (COLLATE "C"), the order the log read by call id is merged in.
         calls = functools.partial(streamed, "airlock_verify_calls", f'{_CALL_SELECT} ORDER BY call_id COLLATE "C"')
         start = archive.postgres_archived_head(conn)
-        # The chain first, holding one event at a time; then each call, below.
-        check = verifying.check_chain(streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq"), start=start,
-                                      advance=advance)
-        report = check.report()
-        if not report.ok:
-            return report
-        head = conn.execute(b"SELECT seq, hash FROM chain_head WHERE id = 1").fetchone()
-        log_end = check.last_seq
-        if head is None or (int(head[0]), str(head[1])) != (log_end, report.head):
+
+        def head_row(check: ChainCheck) -> tuple[int | None, str] | None:
+            """What is wrong with the chain head row, against the log that checked out."""
+            head = conn.execute(b"SELECT seq, hash FROM chain_head WHERE id = 1").fetchone()
+            log_end, last = check.last_seq, check.report().head
+            if head is not None and (int(head[0]), str(head[1])) == (log_end, last):
+                return None
             if head is not None and int(head[0]) > log_end:
                 # The log was cut short: the first event missing is the first bad one.
-                first, last = log_end + 1, int(head[0])
-                missing = f"seq {first} is" if first == last else f"seq {first} to {last} are"
-                return VerifyReport(
-                    ok=False, events=report.events, head=report.head, first_bad_seq=first,
-                    problem=f"{missing} missing: the log ends at seq {log_end} but the chain head "
-                            f"row records seq {last}",
-                )
-            return VerifyReport(
-                ok=False, events=report.events, head=report.head, first_bad_seq=log_end or None,
-                problem=f"the chain head row {head!r} does not match the last event",
-            )
-        by_call = streamed("airlock_verify_by_call", _BY_CALL)
-        records = folded_onto(_seeds(conn), by_call) if start[0] else fold_calls(by_call)
-        return verifying.compare_calls(check, records, calls())
+                first, recorded = log_end + 1, int(head[0])
+                missing = f"seq {first} is" if first == recorded else f"seq {first} to {recorded} are"
+                return first, (f"{missing} missing: the log ends at seq {log_end} but the chain head row "
+                               f"records seq {recorded}")
+            return log_end or None, f"the chain head row {head!r} does not match the last event"
+
+        def records() -> Iterator[CallRecord]:
+            by_call = streamed("airlock_verify_by_call", _BY_CALL)
+            return folded_onto(_seeds(conn), by_call) if start[0] else fold_calls(by_call)
+
+        # The chain first, holding one event at a time; then the head row; then each call.
+        return verifying.verify_log(streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq"), records, calls,
+                                    start=start, between=head_row, advance=advance)
 
     def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
         """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls.
