@@ -192,6 +192,24 @@ def test_verify_finds_a_projection_that_differs_and_rebuild_repairs_it(journal: 
     assert journal.get("c1").status == "committed"  # type: ignore[union-attr]
 
 
+def test_verify_finds_a_head_row_that_is_not_the_log_s_last_event(journal: PostgresJournal, pg_dsn: str) -> None:
+    for call_id in ("c1", "c2"):
+        run(journal, call_id)
+        commit(journal, call_id)
+    assert journal.verify().ok
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("ALTER TABLE events DISABLE TRIGGER events_append_only")
+        conn.execute("DELETE FROM events WHERE seq >= 3")  # the log cut short; the head row still says 4
+    report = journal.verify()
+    assert (report.ok, report.events, report.first_bad_seq) == (False, 2, 3)
+    assert report.problem == "seq 3 to 4 are missing: the log ends at seq 2 but the chain head row records seq 4"
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("UPDATE chain_head SET seq = 2, hash = %s WHERE id = 1", ("0" * 64,))
+    report = journal.verify()
+    assert (report.ok, report.first_bad_seq) == (False, 2)
+    assert "the chain head row" in (report.problem or "") and "does not match the last event" in (report.problem or "")
+
+
 def test_verify_of_an_empty_journal(journal: PostgresJournal) -> None:
     report = journal.verify()
     assert report.ok and report.events == 0 and report.head == GENESIS
