@@ -18,7 +18,7 @@ from guard.leases import OwnerState
 from guard.store import CallRecord, current_owner, format_at
 from journal.events import JournalEvent, JournalStats
 from journal.export import one_line_each
-from journal.owner import owner_alive
+from guard.liveness import owner_alive
 
 ELLIPSIS = "…"
 

@@ -448,6 +448,9 @@ class _Call:
                 and record is not None and self.eg is not None and self.eg.reconcile_on_retry
                 and settling.can_settle(self.eg.store)):
             raise settling.NeedsCheck(record)
+        if self.holder is not None and decision.event.kind == "pending":
+            # The attempt names its lease: its owner is judged by that lease alone, never by another row.
+            decision.event.owner = {**decision.event.owner, "lease": self.holder}
         return decision
 
     def let_go(self) -> None:

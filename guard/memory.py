@@ -13,6 +13,14 @@ from .store import CallRecord, Decide, Decision, EffectEvent, apply, utc_now
 __all__ = ["InMemoryEffectStore"]
 
 
+def _named_lease(record: CallRecord | None) -> str | None:
+    """The lease the owner of a pending ``record`` named when its attempt began, or None."""
+    if record is None or record.status != "pending" or not record.owner:
+        return None
+    holder = record.owner.get("lease")
+    return holder if isinstance(holder, str) else None
+
+
 class InMemoryEffectStore:
     """An :class:`EffectStore` in this process's memory. Two processes do not see each other's calls."""
 
@@ -77,13 +85,12 @@ class InMemoryEffectStore:
         with self._lock:
             now = time.monotonic()
             held = self._leases.setdefault(call_id, {})
-            if any(until > now for other, until in held.items() if other != holder):
-                return False
-            # Every guarded call of this process takes a lease when its guard has one; a pending
-            # call without one was begun by a guard without: its owner is this process, alive.
             record = self._records.get(call_id)
-            if record is not None and record.status == "pending" and not any(o != holder for o in held):
+            if self._alive(record):
                 return False
+            owners = _named_lease(record)
+            if any(until > now for other, until in held.items() if other not in (holder, owners)):
+                return False  # another check holds it
             held[holder] = now + seconds
             return True
 
@@ -101,19 +108,23 @@ class InMemoryEffectStore:
             now, wall = time.monotonic(), utc_now()
             states: dict[str, OwnerState] = {}
             for record in records:
-                held = self._leases.get(record.call_id)
-                until = max(held.values()) if held else None
+                holder = _named_lease(record)
+                until = self._leases.get(record.call_id, {}).get(holder) if holder is not None else None
                 expires = None if until is None else wall + timedelta(seconds=until - now)
                 states[record.call_id] = OwnerState(self._alive(record), expires)
             return states
 
     def _alive(self, record: CallRecord | None) -> bool | None:
+        """Whether the owner of a pending call is alive: every owner is this process, so by the lease
+        its attempt named alone (see :mod:`guard.liveness`); one without began under a guard
+        without a lease, in this process, which runs."""
         if record is None or record.status != "pending":
             return None
-        held = self._leases.get(record.call_id)
-        if not held:
-            return True  # begun in this process by a guard without a lease, and this process runs
-        return max(held.values()) > time.monotonic()
+        holder = _named_lease(record)
+        if holder is None:
+            return True
+        until = self._leases.get(record.call_id, {}).get(holder)
+        return until is not None and until > time.monotonic()
 
     def recent_call(self, agent_id: str | None, idempotency_key: str, since: datetime) -> CallRecord | None:
         """The most recent call of ``agent_id`` with ``idempotency_key`` begun at or after ``since`` and

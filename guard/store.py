@@ -8,13 +8,14 @@ store as one :class:`EffectEvent`. The current state of a call is :class:`CallRe
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from functools import partial
 from typing import Any, Protocol, runtime_checkable
+
+from .liveness import process_identity
 
 __all__ = [
     "CallRecord",
@@ -80,17 +81,17 @@ def parse_at(text: str) -> datetime:
     return at.astimezone(UTC)
 
 
-_HOST = socket.gethostname()
-_OWNER: dict[str, Any] = {"host": _HOST, "pid": os.getpid()}
+_OWNER: dict[str, Any] = process_identity()
 
 
 def _new_owner() -> None:
     global _OWNER
-    _OWNER = {"host": _HOST, "pid": os.getpid()}
+    _OWNER = process_identity()
 
 
 def current_owner() -> Mapping[str, Any]:
-    """``{host, pid}`` of this process; shared, so treat it as read-only (a fork gets its own)."""
+    """``{host, pid}`` of this process, with ``boot``, ``pid_ns`` and ``start`` where the platform
+    tells them (see :mod:`guard.liveness`); shared, so treat it as read-only (a fork gets its own)."""
     if _AT_FORK:
         return _OWNER
     if _OWNER["pid"] != os.getpid():

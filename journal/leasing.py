@@ -1,46 +1,60 @@
-"""The leases of both journals: the owner test they share, and how often expired leases are swept."""
+"""The leases of both journals: how a pending call's owner is judged, and how often expired leases
+are swept.
+
+A pending call is judged by its current attempt's owner and that owner's lease alone: the lease
+its pending event names (``owner["lease"]``), never another holder's row (a reconciler's claim, a
+retry's, an earlier attempt's), so that a stale row left by a killed process says nothing of a
+live call. See :mod:`guard.liveness` for the rule.
+"""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from collections.abc import Iterable
+from datetime import datetime
 
 from guard.leases import OwnerState
-from guard.store import CallRecord, current_owner
+from guard.liveness import LeaseSeen, owner_alive
+from guard.store import CallRecord
 
-from .owner import owner_alive
-
-__all__ = ["SWEEP_EVERY", "owner_state", "pending_alive", "unclaimable"]
+__all__ = ["SWEEP_EVERY", "LeaseRow", "claimable", "named_lease", "owner_state"]
 
 # Every so many leases taken by one journal object, the leases that have run out on calls no
 # longer pending are deleted: the table holds the running calls and the orphans, not the history.
 SWEEP_EVERY = 256
 
+# One lease as a store reads it: its holder, when it runs out (aware UTC), and whether it still runs
+# by the store's clock.
+LeaseRow = tuple[str, datetime, bool]
 
-def pending_alive(record: CallRecord | None, latest: float | datetime | None, now: float | datetime) -> bool | None:
-    """Whether the owner of ``record`` is alive: None when the call is not pending; else, when it
-    has leases (``latest``: when the last of them runs out), whether that is after ``now``; when it
-    never had one (a guard without a lease, or a journal from before leases), the host-and-pid test."""
-    if record is None or record.status != "pending":
+
+def named_lease(record: CallRecord | None) -> str | None:
+    """The holder of the lease that the owner of a pending ``record`` took, or None (not pending,
+    or begun by a guard without a lease, or by a version that did not name it)."""
+    if record is None or record.status != "pending" or not record.owner:
         return None
-    if latest is None:
-        return owner_alive(record.owner)
-    return latest > now  # type: ignore[operator]
+    holder = record.owner.get("lease")
+    return holder if isinstance(holder, str) else None
 
 
-def owner_state(record: CallRecord, latest: float | datetime | None, now: float | datetime) -> OwnerState:
-    """The :class:`OwnerState` of ``record``, its leases' latest end ``latest`` (unix seconds or an
-    aware datetime, as the store keeps them) seen at the store's ``now``."""
-    expires = datetime.fromtimestamp(latest, UTC) if isinstance(latest, float | int) else latest
-    return OwnerState(pending_alive(record, latest, now), expires)
+def owner_state(record: CallRecord, leases: Iterable[LeaseRow], one_machine: bool = False) -> OwnerState:
+    """The :class:`OwnerState` of ``record``, given the call's lease rows (any holders: only the
+    one its owner named counts). ``one_machine``: see :func:`guard.liveness.process_seen`."""
+    if record.status != "pending":
+        return OwnerState(None, None)
+    holder = named_lease(record)
+    if holder is None:
+        return OwnerState(owner_alive(record.owner, None, one_machine), None)
+    row = next((r for r in leases if r[0] == holder), None)
+    seen: LeaseSeen = "ended" if row is None or not row[2] else "running"
+    return OwnerState(owner_alive(record.owner, seen, one_machine), None if row is None else row[1])
 
 
-
-def unclaimable(record: CallRecord | None) -> bool:
-    """Whether a call that never had a lease must not be given to a check: it is pending and its
-    owner is not known to be gone. Only a process of this host that no longer runs is known gone;
-    one of another host, or of another PID namespace of this one, cannot be seen from here, so a
-    guard that shares a journal across hosts or containers takes leases."""
-    if record is None or record.status != "pending":
+def claimable(record: CallRecord | None, leases: Iterable[LeaseRow], holder: str, one_machine: bool = False) -> bool:
+    """Whether ``holder`` may claim the call to check it: its owner, when it is pending, is gone,
+    and no other holder than the owner and ``holder`` has a lease on it that still runs (another
+    check, or a retry deciding)."""
+    rows = list(leases)
+    if record is not None and record.status == "pending" and owner_state(record, rows, one_machine).alive:
         return False
-    host = (record.owner or {}).get("host")
-    return host != current_owner()["host"] or owner_alive(record.owner)
+    owners = named_lease(record)
+    return not any(running for other, _, running in rows if other not in (holder, owners))

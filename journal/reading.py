@@ -216,13 +216,11 @@ class LogReads:
         and write nothing: a check that also works on a journal opened ``readonly``, so a resolve
         that is refused changes nothing at all (not even an older journal's schema version)."""
         record = self.get(call_id)
-        lease_alive: bool | None = None
+        owner_alive: bool | None = None
         if record is not None and record.status == "pending":
-            state = self.owner_states([record])[record.call_id]  # type: ignore[attr-defined]
-            if state.lease_expires_at is not None:  # it has a lease: that decides, not its pid
-                lease_alive = bool(state.alive)
+            owner_alive = self.owner_states([record])[record.call_id].alive  # type: ignore[attr-defined]
         operator_event(call_id, record, applied=applied, reason=reason, operator=operator,
-                       value=value, force=force, journal=self._label(), lease_alive=lease_alive)
+                       value=value, force=force, journal=self._label(), owner_alive=owner_alive)
 
     def events(
         self,

@@ -1,8 +1,8 @@
 """Settling a call and resolving it by hand: written once for both SQL journals.
 
 Each store gives one primitive, ``_append_chosen``: in one write transaction, read the call's
-record, let a function choose the event from it (and from whether a lease on the call is alive,
-asked only when needed), and append that event after the log's head.
+record, let a function choose the event from it (and from whether the owner of the pending call is
+alive, asked only when needed), and append that event after the log's head.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .rows import holds, operator_event
 
 __all__ = ["Choose", "Resolving", "stored_event"]
 
-# Chooses the event to append from the call's record and a question: is a lease on it alive?
+# Chooses the event to append from the call's record and a question: is its owner alive?
 Choose = Callable[[CallRecord | None, Callable[[], bool | None]], EffectEvent | None]
 
 
@@ -75,8 +75,8 @@ class Resolving:
         ``applied=True`` appends ``committed`` (with ``value``, JSON text, stored canonicalised; None
         for none), ``applied=False`` appends ``released``; by ``operator:NAME`` at the call's attempt,
         its status checked in the same transaction. Raises :class:`CallNotFound`,
-        :class:`NotResolvable` (another status, or a pending call whose owner is alive: its lease,
-        or without one its process on this host; unless ``force``), ``ValueError`` for a ``value``
+        :class:`NotResolvable` (another status, or a pending call whose owner is alive, by its lease
+        and its process as :mod:`journal.leasing` judges them; unless ``force``), ``ValueError`` for a ``value``
         that is not JSON or given with ``applied=False``. Nothing changes when it raises.
         """
         label = self._label()
@@ -84,7 +84,7 @@ class Resolving:
                                      "force": force, "journal": label}
         if not holds(call_id, nul=self._nul):  # no call has it: what is wrong with the arguments, else CallNotFound
             operator_event(call_id, None, **arguments)
-        stored = self._append_chosen("resolve the call", call_id, lambda record, lease_alive: operator_event(
-            call_id, record, lease_alive=lease_alive(), **arguments))
+        stored = self._append_chosen("resolve the call", call_id, lambda record, owner_alive: operator_event(
+            call_id, record, owner_alive=owner_alive(), **arguments))
         assert stored is not None  # operator_event makes an event or raises
         return stored

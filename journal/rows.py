@@ -16,12 +16,12 @@ from typing import Any
 import orjson
 
 from guard.canonical import canonical_bytes
+from guard.liveness import process_seen
 from guard.store import TRANSITIONS, CallRecord, EffectEvent, current_owner, format_at, parse_at
 
 from .chain import body_bytes, compute_hash, event_body
 from .errors import CallNotFound, NotResolvable
 from .events import JournalEvent, at_text, text_sha256
-from .owner import owner_alive
 
 __all__ = [
     "CALL_COLUMNS",
@@ -268,6 +268,19 @@ def placed(event: EffectEvent, prepared: Prepared, seq: int, prev_hash: str,
     return stored, row
 
 
+def why_alive(record: CallRecord) -> str:
+    """Why the owner of a pending ``record`` is taken for alive, as a clause."""
+    owner = record.owner or {}
+    pid, host = owner.get("pid"), owner.get("host")
+    seen = process_seen(owner)
+    if seen == "running":
+        return f"its owner process (pid {pid}) is alive on this host, so it may still finish"
+    if "lease" in owner:
+        return (f"its lease has not run out: its owner (pid {pid} on {host}) may still be running the tool")
+    return (f"its owner (pid {pid} on {host}) cannot be seen from here (another host, container or boot) "
+            "and took no lease, so nothing says it has stopped")
+
+
 def operator_event(
     call_id: str,
     record: CallRecord | None,
@@ -278,15 +291,15 @@ def operator_event(
     value: str | None,
     force: bool,
     journal: str,
-    lease_alive: bool | None = None,
+    owner_alive: bool | None = None,
 ) -> EffectEvent:
     """The event an operator's resolve of ``call_id`` appends, checked against its ``record``
-    (``lease_alive``: whether a lease on the pending call has not run out; None when it has none,
-    and then the host-and-pid test decides).
+    (``owner_alive``: whether the owner of the pending call may still be running its tool, as the
+    journal judges it by its lease and process; None when the call is not pending).
 
     Raises ``ValueError`` (a value without ``applied``, one that is not JSON, no operator),
     :class:`CallNotFound`, or :class:`NotResolvable` (another status than pending or unknown, or a
-    pending call whose owner process is alive on this host, unless ``force``).
+    pending call whose owner is alive, unless ``force``).
     """
     if value is not None and not applied:
         raise ValueError("a value can only be given for a call whose effect was applied")
@@ -299,18 +312,9 @@ def operator_event(
         raise NotResolvable(
             f"The call {call_id!r} in {journal} is {record.status}; only a pending or unknown call can be resolved."
         )
-    if record.status == "pending" and not force and lease_alive:
-        owner = record.owner or {}
-        raise NotResolvable(
-            f"The call {call_id!r} in {journal} is pending and its lease has not run out: its owner (pid "
-            f"{owner.get('pid')} on {owner.get('host')}) may still be running the tool; --force overrides."
-        )
-    if record.status == "pending" and not force and lease_alive is None and owner_alive(record.owner):
-        pid = record.owner.get("pid") if record.owner else None
-        raise NotResolvable(
-            f"The call {call_id!r} in {journal} is pending and its owner process (pid {pid}) is alive on "
-            "this host, so it may still finish; --force overrides."
-        )
+    if record.status == "pending" and not force and owner_alive:
+        raise NotResolvable(f"The call {call_id!r} in {journal} is pending and {why_alive(record)}; "
+                            "--force overrides.")
     return EffectEvent(
         kind="committed" if applied else "released", call_id=call_id, tool=record.tool,
         agent_id=record.agent_id, idempotency_key=record.idempotency_key, arguments=record.arguments,

@@ -842,28 +842,30 @@ def test_owner_states_of_calls_without_leases(history: Journal) -> None:
     states = history.owner_states(records)
     assert set(states) == {r.call_id for r in records}
     assert (states["live"].alive, states["live"].lease_expires_at) == (True, None)
-    assert states["c-pending"].alive is False  # its owner's host is not this one: not known alive
+    # Its owner's host is not this one and it took no lease: nothing says it stopped.
+    assert states["c-pending"].alive is True
     for call_id in ("c-ok", "c-unknown", "c-released", "c-read", "c-retry"):
         assert (states[call_id].alive, states[call_id].lease_expires_at) == (None, None)
     assert history.owner_states([]) == {}
     assert live.status == "pending"
 
 
-def test_a_lease_decides_whether_the_owner_is_alive(journal: Journal) -> None:
-    live = begin_pending(journal, "live")  # its process, this one, is alive
+def test_a_lease_decides_whether_an_unseen_owner_is_alive(journal: Journal) -> None:
+    live = begin_pending(journal, "live", owner={"host": "elsewhere", "pid": 1, "lease": "h1"})
     journal.take_lease("live", "h1", 3600)
     state_ = journal.owner_states([live])["live"]
     assert state_.alive is True and state_.lease_expires_at is not None
     assert state_.lease_expires_at > datetime.now(UTC) + timedelta(minutes=30)
     journal.drop_lease("live", "h1")
-    journal.take_lease("live", "h1", 0)  # run out at once: the owner is gone, whatever its pid says
+    journal.take_lease("live", "h1", 0)  # run out at once, and its process cannot be seen: gone
     assert journal.owner_states([live])["live"].alive is False
     journal.check_resolve("live", applied=False, reason="r", operator="ops")
     assert journal.resolve("live", applied=False, reason="lease ran out", operator="ops").kind == "released"
 
 
 def test_owner_states_of_many_calls_at_once(journal: Journal) -> None:
-    records = [begin_pending(journal, f"p{n:04d}", owner={"host": "elsewhere", "pid": 1}) for n in range(1203)]
+    records = [begin_pending(journal, f"p{n:04d}", owner={"host": "elsewhere", "pid": 1, "lease": "h1"})
+               for n in range(1203)]
     for n in range(0, 1203, 3):  # a live lease on every third call, one run out on every third after it
         journal.take_lease(f"p{n:04d}", "h1", 3600)
         if n + 1 < 1203:
@@ -881,7 +883,7 @@ def test_a_lease_left_on_a_call_that_ended_is_not_its_owner_state(history: Journ
 
 
 def test_a_live_lease_refuses_a_resolve_without_force(journal: Journal) -> None:
-    begin_pending(journal, "leased", owner={"host": "elsewhere", "pid": 1})  # by the pid test, not alive
+    begin_pending(journal, "leased", owner={"host": "elsewhere", "pid": 1, "lease": "h1"})
     journal.take_lease("leased", "h1", 3600)
     before = state(journal)
     with pytest.raises(NotResolvable, match="lease"):
@@ -903,7 +905,7 @@ def test_the_lease_of_a_killed_process_keeps_its_call_until_it_runs_out(journal:
 
 
 def test_renew_and_drop_a_lease(journal: Journal) -> None:
-    record = begin_pending(journal, "p", owner={"host": "elsewhere", "pid": 1})
+    record = begin_pending(journal, "p", owner={"host": "elsewhere", "pid": 1, "lease": "h1"})
     assert journal.renew_lease("p", "h1", 60) is False  # no lease to renew
     journal.take_lease("p", "h1", 60)
     first = journal.owner_states([record])["p"].lease_expires_at

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -507,7 +509,8 @@ def test_events_carry_the_fields_of_section_3(store: Any) -> None:
         assert (e.call_id, e.tool, e.agent_id, e.actor, e.attempt) == ("f1", "charge", "agent-1", "guard", 1)
         assert e.idempotency_key == store.get("f1").idempotency_key and len(e.idempotency_key) == 64
         assert e.arguments == '{"account":"acct","cents":5}'
-        assert set(e.owner) == {"host", "pid"}
+        assert (e.owner["host"], e.owner["pid"]) == (socket.gethostname(), os.getpid())
+        assert set(e.owner) <= {"host", "pid", "boot", "pid_ns", "start"}  # no lease: none named
         assert e.at.tzinfo is not None
     assert committed.value == '{"cents":5}'
     assert pending.value is None and replayed.value is None

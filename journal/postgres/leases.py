@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from guard.leases import OwnerState
-from guard.store import CallRecord, utc_now
+from guard.store import CallRecord
 
-from ..leasing import SWEEP_EVERY, owner_state, unclaimable
+from ..leasing import SWEEP_EVERY, LeaseRow, claimable, named_lease, owner_state
 from ..rows import (
     record_from_row,
 )
@@ -15,9 +13,8 @@ from .connection import Conn, Connection
 from .sql import (
     _CALL_SELECT,
     _DROP_LEASE,
-    _LATEST_LEASE,
-    _LATEST_LEASES,
     _LEASES_OF,
+    _LEASES_OF_CALLS,
     _LOCK_LEASES,
     _RENEW_LEASE,
     _SWEEP_LEASES,
@@ -44,21 +41,17 @@ class Leases(Connection):
         self._single_statement("drop a lease", _DROP_LEASE, (call_id, holder))
 
     def claim_lease(self, call_id: str, holder: str, seconds: float) -> bool:
-        """Take a lease on ``call_id`` only if no other holder has a live one and the call is not
-        pending with an owner alive by the host-and-pid test (one that never had a lease)."""
+        """Take a lease on ``call_id`` only if its owner, when it is pending, is gone (see
+        :mod:`journal.leasing`) and no other check holds a lease on it that still runs."""
 
         def work(conn: Conn) -> bool:
             conn.execute(_LOCK_LEASES, (call_id,))  # one claim of the call at a time, on any replica
-            rows = conn.execute(_LEASES_OF, (call_id,)).fetchall()
-            others = [r for r in rows if r[0] != holder]
-            if others:
-                if any(alive for _, alive in others):
-                    return False
-            else:
-                row = conn.execute(f"{_CALL_SELECT} WHERE call_id = %s", (call_id,)).fetchone()
-                record = None if row is None else self._decoded(record_from_row, row)
-                if unclaimable(record):
-                    return False
+            leases: list[LeaseRow] = [(h, until, bool(running))
+                                      for h, until, running in conn.execute(_LEASES_OF, (call_id,)).fetchall()]
+            row = conn.execute(f"{_CALL_SELECT} WHERE call_id = %s", (call_id,)).fetchone()
+            record = None if row is None else self._decoded(record_from_row, row)
+            if not claimable(record, leases, holder):
+                return False
             conn.execute(_TAKE_LEASE, (call_id, holder, seconds))
             return True
 
@@ -66,18 +59,19 @@ class Leases(Connection):
 
     def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]:
         """Whether each pending record's owner is alive, and when its lease runs out."""
-        pending = [r.call_id for r in records if r.status == "pending"]
-        latest: dict[str, datetime] = {}
-        now = None
+        pending = [r.call_id for r in records if r.status == "pending" and named_lease(r) is not None]
+        leases: dict[str, list[LeaseRow]] = {}
         if pending:
-            for call_id, until, at in self._read("read the leases", _LATEST_LEASES, (pending,)):
-                latest[call_id], now = until, at
-        return {r.call_id: owner_state(r, latest.get(r.call_id), now if now is not None else utc_now())
-                for r in records}
+            for call_id, holder, until, running in self._read("read the leases", _LEASES_OF_CALLS, (pending,)):
+                leases.setdefault(call_id, []).append((holder, until, bool(running)))
+        return {r.call_id: owner_state(r, leases.get(r.call_id, ())) for r in records}
 
-    def _lease_alive(self, conn: Conn, record: CallRecord | None) -> bool | None:
-        """Whether a lease on the pending call has not run out; None when it has none."""
+    def _owner_alive(self, conn: Conn, record: CallRecord | None) -> bool | None:
+        """Whether the owner of the pending call is alive; None when the call is not pending."""
         if record is None or record.status != "pending":
             return None
-        until, now = conn.execute(_LATEST_LEASE, (record.call_id,)).fetchone() or (None, None)
-        return None if until is None else bool(until > now)
+        leases: list[LeaseRow] = []
+        if named_lease(record) is not None:
+            leases = [(h, until, bool(running))
+                      for h, until, running in conn.execute(_LEASES_OF, (record.call_id,)).fetchall()]
+        return owner_state(record, leases).alive

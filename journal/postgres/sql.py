@@ -27,12 +27,10 @@ _DROP_LEASE = "DELETE FROM leases WHERE call_id = %s AND holder = %s RETURNING 1
 
 _LOCK_LEASES = "SELECT pg_advisory_xact_lock(hashtext('airlock-journal:lease:' || %s))"
 
-_LEASES_OF = "SELECT holder, expires_at > clock_timestamp() FROM leases WHERE call_id = %s"
+_LEASES_OF = "SELECT holder, expires_at, expires_at > clock_timestamp() FROM leases WHERE call_id = %s"
 
-_LATEST_LEASE = "SELECT max(expires_at), clock_timestamp() FROM leases WHERE call_id = %s"
-
-_LATEST_LEASES = ("SELECT call_id, max(expires_at), clock_timestamp() FROM leases "
-                  "WHERE call_id = ANY(%s) GROUP BY call_id")
+_LEASES_OF_CALLS = ("SELECT call_id, holder, expires_at, expires_at > clock_timestamp() FROM leases "
+                    "WHERE call_id = ANY(%s)")
 
 _SWEEP_LEASES = ("DELETE FROM leases WHERE expires_at < clock_timestamp() AND call_id NOT IN "
                  "(SELECT call_id FROM calls WHERE status = 'pending') RETURNING 1")

@@ -451,7 +451,7 @@ class Writes(Leases, Resolving):
 
         def work(conn: Conn) -> JournalEvent | None:
             head, record = self._lock_and_read(conn, call_id)
-            event = choose(record, lambda: self._lease_alive(conn, record))
+            event = choose(record, lambda: self._owner_alive(conn, record))
             if event is None:
                 return None
             return self._append_locked(conn, head, record, event)[0]

@@ -19,6 +19,7 @@ from urllib.parse import quote
 import sqlite_utils
 
 from .. import archive_schema
+from . import lease_clock
 
 __all__ = [
     "APPLICATION",
@@ -175,14 +176,21 @@ def _v6_archives(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE TABLE calls_archived (call_id TEXT PRIMARY KEY, record TEXT NOT NULL) WITHOUT ROWID")
 
 
+def _v8_lease_clock(conn: sqlite3.Connection) -> None:
+    # Leases timed by the kernel's boot clock, which a step of the wall clock does not move; meta
+    # names the boot whose clock they are on (see lease_clock).
+    lease_clock.adopt(conn)
+
+
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _create_v1, 2: _v2_no_replace, 3: _v3_updated_at_ascending, 4: _v4_leases, 5: _v5_calls_by_key,
-    6: _v6_archives, 7: archive_schema.sqlite_v7,
+    6: _v6_archives, 7: archive_schema.sqlite_v7, 8: _v8_lease_clock,
 }
 LATEST = max(MIGRATIONS)
 # The oldest version a read-only open can read as it is (versions 2 and 3 changed no table; a
 # journal without the leases of version 4 is read with the host-and-pid test of a call's owner;
-# version 5 added an index only; a journal without the archives of version 6 has none).
+# version 5 added an index only; a journal without the archives of version 6 has none; one before
+# version 8 has its leases on the wall clock).
 READABLE_FROM = 1
 
 

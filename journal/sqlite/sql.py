@@ -30,9 +30,8 @@ _DROP_LEASE = "DELETE FROM leases WHERE call_id = ? AND holder = ?"
 
 _LEASES_OF = "SELECT holder, expires_at FROM leases WHERE call_id = ?"
 
-_LATEST_LEASE = "SELECT max(expires_at) FROM leases WHERE call_id = ?"
-# The same for many calls at once ({marks}: a placeholder each), so many at a time.
-_LATEST_LEASES = "SELECT call_id, max(expires_at) FROM leases WHERE call_id IN ({marks}) GROUP BY call_id"
+# The leases of many calls at once ({marks}: a placeholder each), so many at a time.
+_LEASES_OF_CALLS = "SELECT call_id, holder, expires_at FROM leases WHERE call_id IN ({marks})"
 _LEASES_A_READ = 500
 
 _SWEEP_LEASES = ("DELETE FROM leases WHERE expires_at < ? AND call_id NOT IN "

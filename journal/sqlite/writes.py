@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-import time
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -19,19 +18,19 @@ from ..errors import (
     unstorable,
 )
 from ..events import JournalEvent, at_text, text_sha256
-from ..leasing import SWEEP_EVERY, owner_state, unclaimable
+from ..leasing import SWEEP_EVERY, claimable, named_lease, owner_state
 from ..rebuilding import as_logged
 from ..resolving import Choose, Resolving, stored_event
 from ..rows import holds, json_text, record_from_row
+from . import lease_clock
 from .connection import _FULL, _NORMAL
 from .group_commit import GroupCommit
 from .sql import (
     _DROP_LEASE,
     _INSERT_EVENT,
-    _LATEST_LEASE,
-    _LATEST_LEASES,
     _LEASES_A_READ,
     _LEASES_OF,
+    _LEASES_OF_CALLS,
     _LOGGED_EVENTS,
     _RENEW_LEASE,
     _SELECT_CALL,
@@ -99,7 +98,8 @@ class Writes(GroupCommit, Resolving):
             head, record = self._head_and_record(conn, call_id)
             decision = decide(record)
             if lease is not None and decision.event.kind == "pending":  # in the transaction of its pending
-                conn.execute(_TAKE_LEASE, (call_id, lease[0], time.time() + lease[1]))
+                self._on_lease_clock(conn)
+                conn.execute(_TAKE_LEASE, (call_id, lease[0], lease_clock.now() + lease[1]))
             self._append(conn, decision.event, record, head)
             return decision
 
@@ -148,9 +148,16 @@ class Writes(GroupCommit, Resolving):
         row = self._read(lambda c: c.execute(_SELECT_RECENT, (idempotency_key, at_text(since), agent_id)).fetchone())
         return None if row is None else self._decoded(record_from_row, row)
 
-    # -- leases (see guard.leases); the store's clock is this host's, which its processes share -----
+    # -- leases (see guard.leases); the store's clock is this boot's, which its processes share -----
 
     leases_in_begin = True  # begin takes a call's lease and append drops it, in their transactions
+    _clock_adopted = False  # this object has put the journal's leases on this boot's clock
+
+    def _on_lease_clock(self, conn: sqlite3.Connection) -> None:
+        """Inside a write transaction that writes a lease: the journal's leases on this boot's clock."""
+        if not self._clock_adopted:
+            lease_clock.adopt(conn)
+            self._clock_adopted = True  # a later boot is a later process: this one never sees it
 
     def take_lease(self, call_id: str, holder: str, seconds: float) -> None:
         """Record ``holder``'s lease on ``call_id``, running out ``seconds`` from now."""
@@ -158,7 +165,8 @@ class Writes(GroupCommit, Resolving):
         sweep = self._taken % SWEEP_EVERY == 0
 
         def step(conn: sqlite3.Connection) -> None:
-            now = time.time()
+            self._on_lease_clock(conn)
+            now = lease_clock.now()
             conn.execute(_TAKE_LEASE, (call_id, holder, now + seconds))
             if sweep:
                 conn.execute(_SWEEP_LEASES, (now,))
@@ -167,29 +175,29 @@ class Writes(GroupCommit, Resolving):
 
     def renew_lease(self, call_id: str, holder: str, seconds: float) -> bool:
         """Extend ``holder``'s lease; False when it has none on the call any more."""
-        return self._combined(
-            lambda conn: conn.execute(_RENEW_LEASE, (time.time() + seconds, call_id, holder)).rowcount > 0
-        )[0]
+
+        def step(conn: sqlite3.Connection) -> bool:
+            self._on_lease_clock(conn)
+            return conn.execute(_RENEW_LEASE, (lease_clock.now() + seconds, call_id, holder)).rowcount > 0
+
+        return self._combined(step)[0]
 
     def drop_lease(self, call_id: str, holder: str) -> None:
         """Forget ``holder``'s lease on ``call_id``."""
         self._combined(lambda conn: conn.execute(_DROP_LEASE, (call_id, holder)))
 
     def claim_lease(self, call_id: str, holder: str, seconds: float) -> bool:
-        """Take a lease on ``call_id`` only if no other holder has a live one and the call is not
-        pending with an owner alive by the host-and-pid test (one that never had a lease)."""
+        """Take a lease on ``call_id`` only if its owner, when it is pending, is gone (see
+        :mod:`journal.leasing`) and no other check holds a lease on it that still runs."""
 
         def step(conn: sqlite3.Connection) -> bool:
-            now = time.time()
-            others = [until for other, until in conn.execute(_LEASES_OF, (call_id,)) if other != holder]
-            if others and max(others) > now:
+            self._on_lease_clock(conn)
+            row = conn.execute(_SELECT_CALL, (call_id,)).fetchone()
+            record = None if row is None else record_from_row(row)
+            leases = lease_clock.lease_rows(lease_clock.CLOCK, conn.execute(_LEASES_OF, (call_id,)))
+            if not claimable(record, leases, holder, one_machine=True):
                 return False
-            if not others:
-                row = conn.execute(_SELECT_CALL, (call_id,)).fetchone()
-                record = None if row is None else record_from_row(row)
-                if unclaimable(record):
-                    return False
-            conn.execute(_TAKE_LEASE, (call_id, holder, now + seconds))
+            conn.execute(_TAKE_LEASE, (call_id, holder, lease_clock.now() + seconds))
             return True
 
         return self._write(_NORMAL, step)
@@ -199,7 +207,7 @@ class Writes(GroupCommit, Resolving):
 
         def step(conn: sqlite3.Connection) -> JournalEvent | None:
             head, record = self._head_and_record(conn, call_id)
-            event = choose(record, lambda: self._lease_alive(conn, record))
+            event = choose(record, lambda: self._owner_alive(conn, record))
             if event is None:
                 return None
             return stored_event(event, *self._append(conn, event, record, head))
@@ -208,40 +216,32 @@ class Writes(GroupCommit, Resolving):
 
     def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]:
         """Whether each pending record's owner is alive, and when its lease runs out."""
+        return self._read(lambda conn: self._owner_states(conn, records))
 
-        pending = [r.call_id for r in records if r.status == "pending"]
-
-        def read(conn: sqlite3.Connection) -> dict[str, OwnerState]:
-            now = time.time()
-            latest: dict[str, float] = {}
+    def _owner_states(self, conn: sqlite3.Connection, records: list[CallRecord]) -> dict[str, OwnerState]:
+        pending = [r.call_id for r in records if r.status == "pending" and named_lease(r) is not None]
+        rows: dict[str, list[tuple[str, float]]] = {}
+        clock = "wall"
+        try:
+            if pending:
+                clock = lease_clock.read_clock(conn)
             for start in range(0, len(pending), _LEASES_A_READ):
                 some = pending[start:start + _LEASES_A_READ]
-                try:
-                    rows = conn.execute(_LATEST_LEASES.format(marks=", ".join("?" * len(some))), some).fetchall()
-                except sqlite3.OperationalError as e:
-                    if "no such table" in str(e):
-                        break  # a journal from before leases, read as it is
-                    raise
-                latest.update((call_id, float(until)) for call_id, until in rows if until is not None)
-            return {r.call_id: owner_state(r, latest.get(r.call_id), now) for r in records}
-
-        return self._read(read)
-
-    def _latest_lease(self, conn: sqlite3.Connection, call_id: str) -> float | None:
-        try:
-            row = conn.execute(_LATEST_LEASE, (call_id,)).fetchone()
+                for call_id, holder, until in conn.execute(
+                        _LEASES_OF_CALLS.format(marks=", ".join("?" * len(some))), some):
+                    rows.setdefault(call_id, []).append((holder, until))
         except sqlite3.OperationalError as e:
-            if "no such table" in str(e):
-                return None  # a journal from before leases, read as it is
-            raise
-        return None if row is None or row[0] is None else float(row[0])
+            if "no such table" not in str(e):
+                raise
+            rows = {}  # a journal from before leases, read as it is
+        return {r.call_id: owner_state(r, lease_clock.lease_rows(clock, rows.get(r.call_id, ())), one_machine=True)
+                for r in records}
 
-    def _lease_alive(self, conn: sqlite3.Connection, record: CallRecord | None) -> bool | None:
-        """Whether a lease on the pending call has not run out; None when it has none."""
+    def _owner_alive(self, conn: sqlite3.Connection, record: CallRecord | None) -> bool | None:
+        """Whether the owner of the pending call is alive; None when the call is not pending."""
         if record is None or record.status != "pending":
             return None
-        latest = self._latest_lease(conn, record.call_id)
-        return None if latest is None else latest > time.time()
+        return self._owner_states(conn, [record])[record.call_id].alive
 
     def _append(
         self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None, head: tuple[int, str]
