@@ -394,8 +394,17 @@ class _Call:
                 journal=False,
                 store_error=f"{type(e).__name__}: {message_of(e)}",
             )
+        if decision is None:
+            return self.refuse(
+                "policy_violation",
+                f"A call was recorded under {old!r}, the form this tool call id was kept under before ids "
+                "were kept apart, which another id shared; it may be this call, so it was not run.",
+                violation_type="tool_call_id_ambiguous", old_call_id=old,
+            )
         self.verdict = verdict = decision.verdict
         self.attempt = decision.event.attempt
+        if self.context is not None:  # asked for before the call was recorded (by an approver, say)
+            self.context._attempt = self.attempt or None
         if self.holder is not None:
             if verdict is _RUN:
                 settling.keep(eg.store, call_id, self.holder, eg.lease or 0.0)
@@ -464,7 +473,7 @@ class _Call:
         if self.context is None:
             self.context = CallContext(
                 self.agent_id, self.metadata, tool=self.tool.name, tool_call_id=self.tool_call_id,
-                idempotency_key=self.key,
+                idempotency_key=self.key, attempt=self.attempt or None,
             )
         return self.context
 

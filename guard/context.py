@@ -85,11 +85,14 @@ class AirlockContext:
 class CallContext(AirlockContext):
     """The copy of the active context that one guarded call sees.
 
-    It carries the call's ``tool``, ``tool_call_id`` and ``idempotency_key``; the host's own
-    context object is never changed.
+    It carries the call's ``tool``, ``tool_call_id`` and ``idempotency_key``, and once the effect
+    guard has recorded the call ``pending``, its ``attempt``: a fencing token for the backend (a
+    backend that keeps the highest attempt it has seen for an idempotency key can refuse a write
+    of an earlier one, from an owner taken for gone that came back). The host's own context object
+    is never changed.
     """
 
-    __slots__ = ("_idempotency_key", "_tool_call_id", "tool")
+    __slots__ = ("_attempt", "_idempotency_key", "_tool_call_id", "tool")
 
     def __init__(
         self,
@@ -99,12 +102,14 @@ class CallContext(AirlockContext):
         tool: str,
         tool_call_id: str | None,
         idempotency_key: str | None,
+        attempt: int | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.metadata = dict(metadata) if metadata else {}
         self.tool = tool
         self._tool_call_id = tool_call_id
         self._idempotency_key = idempotency_key
+        self._attempt = attempt
 
     @property
     def tool_call_id(self) -> str | None:
@@ -114,10 +119,16 @@ class CallContext(AirlockContext):
     def idempotency_key(self) -> str | None:
         return self._idempotency_key
 
+    @property
+    def attempt(self) -> int | None:
+        """The attempt this run of the tool is (1, 2, ...), as the journal records it; None when the
+        effect guard does not journal the call (no effect guard, or no id to key it on)."""
+        return self._attempt
+
     def __repr__(self) -> str:
         return (
             f"CallContext(tool={self.tool!r}, tool_call_id={self._tool_call_id!r}, "
-            f"idempotency_key={self._idempotency_key!r}, agent_id={self.agent_id!r})"
+            f"idempotency_key={self._idempotency_key!r}, agent_id={self.agent_id!r}, attempt={self._attempt!r})"
         )
 
 
