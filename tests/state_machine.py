@@ -6,12 +6,20 @@ model says, that no non-reversible call took effect twice, and that the store's 
 the fold of its log. The non-reversible tools carry a check (``@reconciled_by``) that answers as
 the backend would (applied with a value, or not applied), cannot tell, or raises; a retry of a call
 in doubt asks it, and a bulk ``reconcile`` settles the journals' calls in doubt.
+
+On a store that keeps leases, two hostile steps: a reconciler killed mid-check (its claim stays
+in the leases table, live, so no other check may take the call meanwhile) and a stale lease row
+(another holder's, run out) on a call; and a call whose tool is still running in another thread
+(a live owner, without a lease) while both are left on it: no retry, check or bulk reconcile may
+run it again.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +31,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard, reversibility
+from guard.leases import LeaseStore
 from guard.reconcile import Applied, InDoubtCall, NotApplied, reconciled_by
 from guard.store import CallRecord, apply
 
@@ -74,6 +83,8 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
             self.counter = 0
             self.check_mode = "truth"
             self.settles = callable(getattr(self.store, "settle", None))
+            self.claimed: set[str] = set()  # calls a killed reconciler's live claim still holds
+            self.gate: threading.Event | None = None  # holds the tool of a call running in a thread
             policy = SecurityPolicy(effect_guard=EffectGuard(store=self.store))
             self.tools: dict[str, Callable[..., Any]] = {}
             for name, tag in TOOLS.items():
@@ -95,6 +106,8 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
             if self.check_mode != "truth" or not self.settles:
                 return False
             call_id = next(k for k, v in self.model.items() if v is entry)
+            if call_id in self.claimed:
+                return False  # a killed reconciler's claim holds it: no check may take it
             if self.effects.took_effect.get(call_id, 0):
                 entry.status, entry.value, entry.has_value = "committed", {"found": call_id}, True
             else:
@@ -115,6 +128,9 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
                 call_id = machine.current_id
                 if _effective(outcome):
                     machine.effects.took_effect[call_id] = machine.effects.took_effect.get(call_id, 0) + 1
+                gate = machine.gate
+                if gate is not None and call_id == machine.running_id:
+                    gate.wait()  # a live owner: its tool runs until the step lets it finish
                 machine.counter += 1
                 if outcome == "value":
                     return {"n": machine.counter, "pair": (account, cents)}
@@ -230,9 +246,13 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
 
         @rule()
         def reconcile_in_bulk(self) -> None:
+            self._bulk()
+
+        def _bulk(self) -> dict[str, Any]:
+            """A bulk reconcile, checked against the model; every call's result."""
             reconcile = getattr(self.store, "reconcile", None)
             if reconcile is None:
-                return
+                return {}
             checks = {name: self.check for name, tag in TOOLS.items() if tag != "reversible"}
             results = {r.call_id: r for r in reconcile(checks)}
             for call_id, entry in self.model.items():
@@ -240,13 +260,71 @@ def make_state_machine(factory: Callable[[Path], Any]) -> type[RuleBasedStateMac
                     assert call_id not in results
                     continue
                 result = results[call_id]
-                if TOOLS[entry.tool] == "reversible":
+                if TOOLS[entry.tool] == "reversible" or call_id in self.claimed:
                     assert result.outcome == "skipped"
                 elif self.settled(entry):
                     assert result.outcome == ("applied" if entry.status == "committed" else "not_applied")
                     assert result.seq is not None
                 else:
                     assert result.outcome == ("still_unknown" if self.check_mode == "cannot_tell" else "error")
+            return results
+
+        @rule(call_id=call_ids)
+        def reconciler_killed_mid_check(self, call_id: str) -> None:
+            if not isinstance(self.store, LeaseStore):
+                return
+            entry = self.model.get(call_id)
+            # A reconciler claims a call, then is killed before it drops its claim, which stays live.
+            took = self.store.claim_lease(call_id, f"killed-{uuid.uuid4().hex}", 3600.0)
+            assert took == (entry is not None and call_id not in self.claimed), (call_id, entry)
+            if took:
+                self.claimed.add(call_id)
+
+        @rule(call_id=call_ids)
+        def stale_lease_row(self, call_id: str) -> None:
+            if isinstance(self.store, LeaseStore):
+                self.store.take_lease(call_id, f"stale-{uuid.uuid4().hex}", 0.0)  # run out at once
+
+        @rule(tool=st.sampled_from(sorted(t for t, tag in TOOLS.items() if tag != "reversible")),
+              cents=st.integers(0, 3))
+        def live_owner_left_alone(self, tool: str, cents: int) -> None:
+            """A call whose tool runs in another thread (no lease), with a stale row and a killed
+            reconciler's run-out claim left on it: a retry is refused, a bulk reconcile skips it."""
+            if not isinstance(self.store, LeaseStore):
+                return
+            call_id = f"live-{len(self.model)}-{self.counter}"
+            args = {"account": "acct", "cents": cents}
+            self.gate, self.running_id = threading.Event(), call_id
+            self.current_id, self.next_outcome = call_id, "value"
+            results: list[Any] = []
+
+            def owner() -> None:
+                with AirlockContext(agent_id="agent", metadata={"tool_call_id": call_id}):
+                    results.append(self.tools[tool](**args))
+
+            thread = threading.Thread(target=owner)
+            thread.start()
+            try:
+                while self.effects.took_effect.get(call_id, 0) == 0:
+                    assert thread.is_alive(), results
+                    self.gate.wait(0.01)
+                self.store.take_lease(call_id, f"stale-{uuid.uuid4().hex}", 0.0)
+                assert self.store.claim_lease(call_id, f"killed-{uuid.uuid4().hex}", 0.0) is False
+                assert self.store.owner_states([self.store.get(call_id)])[call_id].alive is True
+                with AirlockContext(agent_id="agent", metadata={"tool_call_id": call_id}):
+                    retried = self.tools[tool](**args)
+                assert is_refusal(retried) and retried["block_reason"] == "effect_status_unknown", retried
+                bulk = self._bulk()
+                if bulk:
+                    assert bulk[call_id].outcome == "skipped", bulk[call_id]
+            finally:
+                self.gate.set()
+                thread.join()
+                self.gate = None
+            assert results and results[0]["pair"] == ("acct", cents), results
+            entry = ModelCall(tool, args, "committed", 1, has_value=True)
+            entry.value = orjson.loads(orjson.dumps(results[0], option=orjson.OPT_SORT_KEYS))
+            self.model[call_id] = entry
 
         # -- invariants ------------------------------------------------------------------------
 
