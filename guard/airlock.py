@@ -31,7 +31,7 @@ from .oversight import OversightRequest, OversightResponse, OversightVerdict
 from .policy import SecurityPolicy, required_capabilities
 from .reconcile import reconciler_of
 from .refusal import AirlockBlocked, Refusal, make_refusal
-from .scope import AGENT_PREFIX, agent_scoped_id
+from .scope import AGENT_PREFIX, agent_scoped_id, global_call_id, old_call_id
 from .store import GUARD_ACTOR, CallRecord, Decision, EffectEvent, Verdict, current_owner, utc_now
 
 __all__ = ["Airlock", "airlock_of", "error_of", "message_of"]
@@ -76,6 +76,10 @@ _HINTS: dict[str, tuple[str, ...]] = {
         "Look up its result in the backend if you need it.",
     ),
     "store_unavailable": ("Try again later; the tool was not run.",),
+    "tool_call_id_ambiguous": (
+        "Do not retry this call: it may already have run under its earlier id.",
+        "Send a new tool call with a fresh id for a new call.",
+    ),
 }
 
 
@@ -171,12 +175,15 @@ class _Call:
             self.metadata = {k: v for k, v in outer.metadata.items() if k != "tool_call_id"}
         # The agent as every event records it (a lone surrogate escaped), worked out once a call.
         self.recorded_agent = storable(self.agent_id)
-        # The id the store keeps the call under: the tool call id, or with id_scope="agent" the pair.
+        # The id the store keeps the call under: the tool call id, or with id_scope="agent" the pair,
+        # escaped where it is not plain so that no two ids share one (guard/scope.py).
         tool_call_id = self.tool_call_id
-        if tool_call_id is not None and self.eg is not None and self.eg.id_scope == "agent":
-            self.call_id: str | None = agent_scoped_id(self.agent_id, tool_call_id)
+        if tool_call_id is None:
+            self.call_id: str | None = None
+        elif self.eg is not None and self.eg.id_scope == "agent":
+            self.call_id = agent_scoped_id(self.agent_id, tool_call_id)
         else:
-            self.call_id = storable(tool_call_id)
+            self.call_id = global_call_id(tool_call_id)
         self.duplicate: CallRecord | None = None
         self.holder: str | None = None  # this call's lease on its id, when the guard takes leases
         self.checked = False  # the tool's check has run on this call's record
@@ -372,19 +379,23 @@ class _Call:
 
     def begin(self) -> Refusal | None:
         """The effect guard's atomic begin; sets ``verdict`` (None when the call runs unguarded)."""
-        eg, call_id = self.eg, self.call_id
-        if eg is None or call_id is None:
+        eg, call_id, tool_call_id = self.eg, self.call_id, self.tool_call_id
+        if eg is None or call_id is None or tool_call_id is None:
             return None
-        if eg.id_scope == "global" and call_id.startswith(AGENT_PREFIX):
+        # The model's id, not the stored one: an escaped global id begins "agent:" too.
+        if eg.id_scope == "global" and tool_call_id.startswith(AGENT_PREFIX):
             self.call_id = None  # journaled without the id, which names a call of the agent scope
             return self.refuse(
                 "policy_violation",
-                f"The tool call id {call_id!r} has the form kept for ids scoped by agent ('agent:...'); "
+                f"The tool call id {tool_call_id!r} has the form kept for ids scoped by agent ('agent:...'); "
                 "it was not run.",
                 violation_type="tool_call_id_reserved",
             )
+        old = old_call_id(eg.id_scope, self.agent_id, tool_call_id)
         try:
-            decision = self._decision(eg, call_id)
+            # A call kept under the id's old form may be this one or the other id spelled alike then.
+            kept_before = old is not None and eg.store.get(old) is not None
+            decision = None if kept_before else self._decision(eg, call_id)
         except Exception as e:
             self.let_go()
             log.error("store could not record pending for %s (tool_call_id=%s): %r", self.tool.name, call_id, e)

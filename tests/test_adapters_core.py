@@ -459,8 +459,8 @@ def test_a_refusal_naming_a_lone_surrogate_is_journaled_on_every_store(store: An
     # Each refusal is one refused event, its name and ids kept as the model reads them.
     events = store_events(store)
     assert [(e.kind, e.tool, e.call_id, e.reason["code"]) for e in events] == [
-        ("refused", "charge\\udcff", "call_\\udcff", "policy_violation"),
-        ("refused", "charge", "call_\\udcff", "capability_denied"),
+        ("refused", "charge\\udcff", "agent:%call_%uDCFF", "policy_violation"),
+        ("refused", "charge", "agent:%call_%uDCFF", "capability_denied"),
     ]
     assert events[0].agent_id == "agent-\\udcff"
 

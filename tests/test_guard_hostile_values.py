@@ -199,11 +199,11 @@ def test_a_call_id_and_agent_id_with_a_lone_surrogate_run_once_on_every_store(st
         with AirlockContext(agent_id=odd_agent, metadata={"tool_call_id": odd_id}):
             assert tool(5) == {"charged": 5}  # run, then replayed
     assert runs == [5]
-    record = store.get("call_\\udcff")
+    record = store.get("agent:%call_%uDCFF")
     assert (record.status, record.agent_id) == ("committed", "agent-\\udcff")
-    kinds = [(e.kind, e.call_id, e.agent_id) for e in store.events(call_id="call_\\udcff")]
-    assert kinds == [("pending", "call_\\udcff", "agent-\\udcff"), ("committed", "call_\\udcff", "agent-\\udcff"),
-                     ("replayed", "call_\\udcff", "agent-\\udcff")]
+    kinds = [(e.kind, e.call_id, e.agent_id) for e in store.events(call_id="agent:%call_%uDCFF")]
+    assert kinds == [("pending", "agent:%call_%uDCFF", "agent-\\udcff"), ("committed", "agent:%call_%uDCFF", "agent-\\udcff"),
+                     ("replayed", "agent:%call_%uDCFF", "agent-\\udcff")]
 
 
 def test_a_journal_given_an_id_with_a_lone_surrogate_raises_its_own_error(store: Any) -> None:

@@ -136,7 +136,7 @@ def test_an_unencodable_argument_is_refused_and_an_unencodable_id_is_kept_escape
         with AirlockContext(metadata={"tool_call_id": "call_\udfff"}):
             assert not is_refusal(tool(**ARGUMENTS))
     assert airlock_effects.count() == 1
-    assert airlock_journal.get("call_\\udfff").status == "committed"
+    assert airlock_journal.get("agent:%call_%uDFFF").status == "committed"
     assert airlock_journal.verify().ok
 
 

@@ -26,6 +26,7 @@ from ..canonical import storable, to_json_value
 from ..context import AirlockContext, get_current_context
 from ..offload import offloaded, offloads
 from ..refusal import AirlockBlocked, Refusal, is_refusal, make_refusal
+from ..scope import stored_call_id
 from ..store import EffectEvent, EffectStore
 
 __all__ = ["Outcome", "Tools", "adispatch", "call_id_of", "dispatch", "field", "refusal_text", "tool_table"]
@@ -294,10 +295,13 @@ def _unknown_tool(table: Mapping[str, _Guarded], name: str, call_id: str | None,
     # The refusal is journaled only where the store is beyond doubt: every tool shares one.
     stores = _stores(table)
     if len(stores) == 1:
+        # Under the id the guard keeps the call under, when its tools' guards agree on the scope.
+        scopes = {eg.id_scope for t in table.values() if (eg := t.airlock.policy.effect_guard) is not None}
+        stored = stored_call_id(scopes.pop(), agent_id, call_id) if call_id is not None and len(scopes) == 1 else None
         try:
-            # The name and the id are the model's: a lone surrogate is kept as its backslash escape.
+            # The name is the model's: a lone surrogate is kept as its backslash escape.
             stores[0].append(EffectEvent(
-                kind="refused", call_id=storable(call_id), tool=storable(name), agent_id=storable(agent_id),
+                kind="refused", call_id=stored, tool=storable(name), agent_id=storable(agent_id),
                 reason={"code": "policy_violation", "message": storable(error)},
             ))
         except Exception as e:
