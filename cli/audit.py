@@ -34,9 +34,10 @@ from journal.signing import (
 )
 
 from .export import NotJsonLines, Tallied, read_export, write_all, write_file
+from .files import CHECKPOINT_BYTES, MANIFEST_BYTES, TooBig, check_key_file, check_public_key, is_device, read_small
 from .options import db_option, describe, echo, echo_bytes
 
-__all__ = ["checkpoint", "export_signed", "keygen", "load_key", "verify_audit", "verify_audit_wanted"]
+__all__ = ["checkpoint", "export_signed", "keygen", "load_key", "refuse_device", "verify_audit", "verify_audit_wanted"]
 
 
 # -- keygen --------------------------------------------------------------------------------------
@@ -87,8 +88,12 @@ def keygen(output: Path, force: bool) -> None:
 
 
 def load_key(path: Path | None) -> SigningKey | None:
-    """The signing key at ``path`` (None for none), read before anything is written."""
-    return None if path is None else SigningKey.load(path)
+    """The signing key at ``path`` (None for none), read before anything is written; a device or a
+    file too large to be a key is refused without reading it."""
+    if path is None:
+        return None
+    check_key_file(path)
+    return SigningKey.load(path)
 
 
 # -- checkpoint ----------------------------------------------------------------------------------
@@ -187,9 +192,11 @@ def _failed(source: str, check: ChainCheck | None, problem: str, seq: int | None
     return _Failed(source, VerifyReport(ok=False, events=events, head=head, first_bad_seq=seq, problem=problem))
 
 
-def _read(path: Path, what: str) -> bytes:
+def _read(path: Path, what: str, limit: int) -> bytes:
+    """The bytes of the small file ``path`` (a ``what``); raises :class:`TooBig` for a device or a
+    file of more than ``limit`` bytes, and an error naming it when it cannot be read."""
     try:
-        return path.read_bytes()
+        return read_small(path, limit, f"a {what}")
     except FileNotFoundError as e:
         raise click.ClickException(f"no {what} {path}") from e
     except OSError as e:
@@ -201,12 +208,14 @@ def _signed_manifest(export: Path, public_key: str) -> dict[str, Any]:
     ``public_key``; raises :class:`_Failed` naming the manifest otherwise."""
     where = manifest_path(export)
     try:
-        raw = where.read_bytes()
+        raw = read_small(where, MANIFEST_BYTES, "a manifest")
     except FileNotFoundError as e:
         raise click.ClickException(f"{export} has no manifest {where}: export it with --sign to check its "
                                    "signature") from e
     except OSError as e:
         raise click.ClickException(f"cannot read {where}: {e.strerror or e}") from e
+    except TooBig as e:
+        raise _failed(str(where), None, str(e)) from e
     manifest, problem = read_document(raw, exact=True)
     if manifest is not None:
         problem = manifest_problem(manifest) or signature_problem(manifest, public_key)
@@ -234,6 +243,7 @@ def _check_export(export: Path, check: ChainCheck, manifest: dict[str, Any] | No
     last: dict[str, Any] = {}
     problem: str | None = None
     try:
+        refuse_device(export)
         if manifest is not None:
             changed = digest_problem(manifest, *_file_digest(export))
             if changed is not None:  # told before anything the changed file shows
@@ -303,6 +313,8 @@ def verify_audit(
     """Verify ``exports`` in order as one chain (each against its signed manifest when
     ``public_key`` is given), then the journal ``db`` (when given) as their continuation, or the
     journal against the checkpoint ``checkpoint_file``. Returns the report and what it is of."""
+    if public_key is not None:
+        check_public_key(public_key)
     key = None if public_key is None else load_public_key(public_key)
     counted = 0
     try:
@@ -327,8 +339,19 @@ def verify_audit(
     return VerifyReport(ok=True, events=counted + more, head=head), shown
 
 
+def refuse_device(export: Path) -> None:
+    """Refuse an ``--export`` FILE that is a device (``/dev/zero``): an export is a file, or a pipe
+    (``-``, or a shell's ``<(...)``), and a device's read may never end. Raises ``OSError`` as stat
+    does, for the caller to report."""
+    if is_device(os.stat(export).st_mode):
+        raise click.ClickException(f"cannot read {export}: it is a device, not an export file")
+
+
 def _verify_checkpoint(checkpoint_file: Path, key: str | None, db: str) -> tuple[VerifyReport, str]:
-    raw = _read(checkpoint_file, "checkpoint")
+    try:
+        raw = _read(checkpoint_file, "checkpoint", CHECKPOINT_BYTES)
+    except TooBig as e:
+        raise click.ClickException(f"{checkpoint_file} is not a checkpoint that can be used: {e}") from e
     made, problem = read_document(raw, exact=False)
     if made is not None:
         problem = malformed(made)

@@ -132,10 +132,11 @@ def show(
     if every and ctx.get_parameter_source("limit") is not ParameterSource.DEFAULT:
         raise click.UsageError("--all shows every call; it cannot be combined with --limit")
     with open_journal(db, readonly=True, create=False) as j:
-        # One more than asked for tells whether the list was cut at --limit; a larger --limit is all.
+        # One more than asked for tells whether the list was cut at --limit; a larger --limit is all,
+        # and a larger --offset is past them all (SQL takes neither beyond 64 bits).
         limit = min(limit, MOST_CALLS)
         records = j.calls(status=statuses or None, tool=tool, agent_id=agent_id, since=since,
-                          limit=None if every else limit + 1, offset=offset)
+                          limit=None if every else limit + 1, offset=min(offset, MOST_CALLS))
         cut = not every and len(records) > limit
         records = records if every else records[:limit]
         states = j.owner_states(records)
@@ -556,6 +557,8 @@ def _verify_export_file(export_file: Path, allow_gaps: bool) -> tuple[VerifyRepo
     if from_stdin and sys.stdin is None:  # started with stdin closed ("<&-")
         raise click.ClickException(f"cannot read {source}: stdin is closed")
     try:
+        if not from_stdin:
+            audit.refuse_device(export_file)
         with contextlib.nullcontext(sys.stdin.buffer) if from_stdin else export_file.open("rb") as stream:
             report = verify_lines(read_export(stream), allow_gaps=allow_gaps)
     except NotJsonLines as e:

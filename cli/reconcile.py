@@ -8,7 +8,7 @@ import logging
 import re
 import sys
 from collections.abc import Mapping
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -19,14 +19,19 @@ from journal import open_journal
 from journal.reconcile import tools_without_calls
 
 from . import render
-from .options import TEXT, db_option, echo, echo_bytes
+from .options import TEXT, db_option, echo, echo_bytes, one_line
 
-__all__ = ["load_checks", "reconcile"]
+__all__ = ["MOST_CHECK_SECONDS", "load_checks", "reconcile"]
+
+# The longest --timeout: a day. A check asks a backend and answers in seconds; a longer wait is a
+# mistake, and past what a clock or a lease can count (inf, 1e308) no wait can be kept at all.
+MOST_CHECK_SECONDS = 86400.0
 
 if TYPE_CHECKING:  # generic from click 8.4 on, by the value converted to; older clicks take no argument
     AgeType = click.ParamType[timedelta]
+    SecondsType = click.ParamType[float]
 else:
-    AgeType = click.ParamType
+    AgeType = SecondsType = click.ParamType
 
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -44,9 +49,47 @@ class Age(AgeType):
         if not found:
             self.fail(f"{value!r} is not a length of time: give one like 90s, 10m, 2h, 3d", param, ctx)
         try:
-            return timedelta(seconds=float(found.group(1)) * _SECONDS[found.group(2).lower()])
-        except OverflowError:
-            self.fail(f"{value!r} is too long a time", param, ctx)
+            age = timedelta(seconds=float(found.group(1)) * _SECONDS[found.group(2).lower()])
+            datetime.now(UTC) - age  # the calls older than that begin after the year 1: time only moves on
+        except OverflowError:  # a float past timedelta's days, or now less the age before the year 1
+            self.fail(f"{value!r} is out of range: give an age that reaches back no further than the year 1, "
+                      "such as 10m, 2h, 3d", param, ctx)
+        return age
+
+
+class Seconds(SecondsType):
+    """A number of seconds from ``least`` to ``most``: never NaN or infinite (``1e400`` reads as
+    infinite), which no deadline can be kept for."""
+
+    name = "seconds"
+
+    def __init__(self, least: float, most: float, most_said: str) -> None:
+        self.least, self.most, self.most_said = least, most, most_said
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float) and self.least <= value <= self.most:
+            return value
+        span = f"{self.least:g}<=x<={self.most:g} (seconds: at most {self.most_said})"
+        try:
+            seconds = float(str(value).strip())
+        except ValueError:
+            self.fail(f"{value!r} is not a number of seconds: give one in the range {span}", param, ctx)
+        if not self.least <= seconds <= self.most:  # NaN is in no range
+            self.fail(f"{value!r} is not in the range {span}", param, ctx)
+        return seconds
+
+
+def _said(error: BaseException) -> str:
+    """``error`` as ``Type: message`` (its type alone when its ``str()`` fails too)."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:
+        return type(error).__name__
+
+
+def _dotted(name: str) -> bool:
+    """Whether ``name`` is a dotted Python name: identifiers joined by dots, no space anywhere."""
+    return all(part.isidentifier() for part in name.split("."))
 
 
 def _guarded(obj: object) -> bool:
@@ -57,20 +100,30 @@ def load_checks(spec: str) -> dict[str, Check]:
     """The checks ``MODULE[:ATTR]`` names: with ``:ATTR``, that mapping of tool name to check;
     without, the check of every guarded function of the module that carries ``@reconciled_by``.
 
-    Raises ``click.UsageError`` for a module that does not import, an attribute that is missing or
-    is no such mapping, or a module without any check.
+    ``MODULE`` and ``ATTR`` are each a dotted Python name (``payments.checks:CHECKS``,
+    ``payments:registry.CHECKS``), as an entry point names an object.
+
+    Raises ``click.UsageError`` for a ``spec`` of another form (``payments:``, ``:CHECKS``, a
+    space), a module that does not import, an attribute that is missing or is no such mapping, or
+    a module without any check.
     """
-    module_name, _, attr = spec.partition(":")
-    if not module_name:
-        raise click.UsageError(f"--with takes MODULE or MODULE:ATTR, not {spec!r}")
+    module_name, colon, attr = spec.partition(":")
+    if not _dotted(module_name) or (colon and not _dotted(attr)):
+        raise click.UsageError(f"--with takes MODULE or MODULE:ATTR, each a dotted Python name (payments, "
+                               f"payments:CHECKS), not {spec!r}")
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")  # the current directory first, as `python -m` has it
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
-        raise click.UsageError(f"--with: the module {module_name!r} does not import: {type(e).__name__}: {e}") from e
+        raise click.UsageError(f"--with: the module {module_name!r} does not import: {_said(e)}") from e
     if attr:
-        found = getattr(module, attr, None)
+        found: Any = module
+        for part in attr.split("."):
+            try:
+                found = getattr(found, part, None)
+            except Exception:  # a module's __getattr__, a property, that fails: no such mapping here
+                found = None
         if not isinstance(found, Mapping):
             raise click.UsageError(f"--with: {module_name}.{attr} is not a dict of tool name to check")
         checks = dict(found)
@@ -95,7 +148,8 @@ _MARK = {"applied": "applied", "not_applied": "not applied", "still_unknown": "s
 
 def _line(result: ReconcileResult) -> str:
     seq = f" (seq {result.seq})" if result.seq is not None else ""
-    return f"{result.call_id}  {result.tool}  {_MARK[result.outcome]}{seq}  {result.message}".rstrip()
+    # One line a call, whatever the check's evidence holds (a line break, a control character).
+    return one_line(f"{result.call_id}  {result.tool}  {_MARK[result.outcome]}{seq}  {result.message}")
 
 
 @click.command()
@@ -106,8 +160,9 @@ def _line(result: ReconcileResult) -> str:
 @click.option("--older-than", type=Age(), metavar="AGE",
               help="Only calls in doubt for longer than this: 90s, 10m, 2h, 3d.")
 @click.option("--dry-run", is_flag=True, help="Ask the backend, print what it says, append nothing.")
-@click.option("--timeout", type=click.FloatRange(min=0.001), default=DEFAULT_CHECK_TIMEOUT, show_default=True,
-              help="Seconds a check may take; past it the call's result is an error.")
+@click.option("--timeout", type=Seconds(0.001, MOST_CHECK_SECONDS, "a day"), default=DEFAULT_CHECK_TIMEOUT,
+              show_default=True,
+              help="Seconds a check may take, at most 86400 (a day); past it the call's result is an error.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON Lines, one call a line.")
 @db_option
 def reconcile(spec: str, tool: str | None, older_than: timedelta | None, dry_run: bool, timeout: float,

@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import orjson
 
+from .canonical import storable
 from .effect_guard import tag_along, wrapped_chain
 from .store import CallRecord, EffectEvent, current_owner, utc_now
 
@@ -122,9 +123,9 @@ class InDoubtCall:
 @dataclass(frozen=True, slots=True)
 class ReconcileResult:
     """What reconciling one call did: ``outcome`` is ``"applied"``, ``"not_applied"``,
-    ``"still_unknown"`` (the check returned None), ``"error"`` (it raised, returned something else,
-    or timed out) or ``"skipped"`` (its owner is alive, or it moved on meanwhile); ``seq`` is that
-    of the event appended, or None."""
+    ``"still_unknown"`` (the check returned None), ``"error"`` (it raised, returned something else
+    or evidence that cannot be stored, or timed out) or ``"skipped"`` (its owner is alive, or it
+    moved on meanwhile); ``seq`` is that of the event appended, or None."""
 
     call_id: str
     tool: str
@@ -138,7 +139,8 @@ Check = Callable[[InDoubtCall], "Verdict | Awaitable[Verdict]"]
 
 
 class CheckFailed(Exception):
-    """A check raised, returned something that is not a verdict, or did not answer in time."""
+    """A check raised, returned something that is not a verdict (or a verdict whose evidence cannot
+    be stored), or did not answer in time."""
 
 
 def reconciled_by(check: Check) -> Callable[[F], F]:
@@ -170,9 +172,10 @@ def reconciler_of(fn: Callable[..., Any]) -> Check | None:
 
 
 def check_name(check: Check) -> str:
-    """The check's ``__qualname__`` (its ``__name__``, or its type's name, when it has none)."""
+    """The check's ``__qualname__`` (its ``__name__``, or its type's name, when it has none), as
+    every store can keep it (a lone surrogate as its escape)."""
     name = getattr(check, "__qualname__", None) or getattr(check, "__name__", None)
-    return str(name) if isinstance(name, str) and name else type(check).__qualname__
+    return storable(str(name) if isinstance(name, str) and name else type(check).__qualname__)
 
 
 def reconciler_actor(check: Check) -> str:
@@ -191,10 +194,43 @@ def in_doubt_call(record: CallRecord) -> InDoubtCall:
     )
 
 
+def _said(error: BaseException) -> str:
+    """``error`` for a message: its type and its text, the text as every store and output can keep
+    it (a lone surrogate as its escape); an error whose ``str()`` itself raises is named by its type."""
+    try:
+        text = str(error)
+    except Exception as e:
+        return f"{type(error).__name__} (its message could not be read: {type(e).__name__})"
+    return f"{type(error).__name__}: {storable(text)}" if text else type(error).__name__
+
+
 def _verdict(result: object, name: str) -> Verdict:
-    if result is None or isinstance(result, Applied | NotApplied):
-        return result
-    raise CheckFailed(f"the check {name} returned {type(result).__name__}, not Applied, NotApplied or None")
+    """The check's answer as a verdict whose evidence the journal can store, or :class:`CheckFailed`.
+
+    The evidence is the ``reason`` of the event that settles the call: evidence that has no text
+    (its ``str()`` raises) or whose text is not valid UTF-8 (a lone surrogate) cannot be stored, so
+    the answer is not used, as if the check had raised: the store did not fail, the check's answer did.
+    """
+    if result is None:
+        return None
+    if not isinstance(result, Applied | NotApplied):
+        raise CheckFailed(f"the check {name} returned {type(result).__name__}, not Applied, NotApplied or None")
+    unusable = f"the check {name} returned evidence that cannot be stored"
+    try:
+        value = result.value if isinstance(result, Applied) else NO_VALUE
+        evidence: Any = result.evidence
+    except Exception as e:  # a subclass's property
+        raise CheckFailed(f"the check {name} returned a verdict that cannot be read: {_said(e)}") from e
+    try:
+        evidence = str(evidence)
+    except Exception as e:
+        raise CheckFailed(f"{unusable}: its str() raised {_said(e)}") from e
+    try:
+        evidence.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise CheckFailed(f"{unusable}: it is not valid UTF-8 ({e.reason} at {e.start})") from e
+    # A plain verdict of that text: what settles the call cannot change between asking and storing.
+    return Applied(value=value, evidence=evidence) if isinstance(result, Applied) else NotApplied(evidence=evidence)
 
 
 def run_check(check: Check, call: InDoubtCall, timeout: float = DEFAULT_CHECK_TIMEOUT) -> Verdict:
@@ -203,7 +239,8 @@ def run_check(check: Check, call: InDoubtCall, timeout: float = DEFAULT_CHECK_TI
     A ``def`` check runs in a thread of its own and an ``async def`` one in an event loop of that
     thread, so that a check that hangs is given up after ``timeout`` seconds (it is left to finish
     on its own; what it returns then is ignored). Raises :class:`CheckFailed` when it raises,
-    returns anything but a verdict, or does not answer in time.
+    returns anything but a verdict, returns evidence the journal cannot store (text that is not
+    valid UTF-8, or an object whose ``str()`` raises), or does not answer in time.
     """
     name = check_name(check)
     answer: list[Any] = []
@@ -214,8 +251,12 @@ def run_check(check: Check, call: InDoubtCall, timeout: float = DEFAULT_CHECK_TI
             result: Any = check(call)
             if inspect.isawaitable(result):
                 result = asyncio.run(_awaited(result))
-            answer.append(result)
         except BaseException as e:  # handed to the caller's thread, which says what happened
+            failure.append(e)
+            return
+        try:
+            answer.append(_verdict(result, name))  # here, within the deadline: it reads the answer
+        except CheckFailed as e:
             failure.append(e)
 
     worker = threading.Thread(target=body, name=f"airlock-check-{name}", daemon=True)
@@ -225,8 +266,10 @@ def run_check(check: Check, call: InDoubtCall, timeout: float = DEFAULT_CHECK_TI
         raise CheckFailed(f"the check {name} did not answer within {timeout:g} s")
     if failure:
         e = failure[0]
-        raise CheckFailed(f"the check {name} raised {type(e).__name__}: {e}") from e
-    return _verdict(answer[0], name)
+        if isinstance(e, CheckFailed):
+            raise e
+        raise CheckFailed(f"the check {name} raised {_said(e)}") from e
+    return answer[0]  # type: ignore[no-any-return]
 
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:
@@ -245,7 +288,7 @@ async def arun_check(check: Check, call: InDoubtCall, timeout: float = DEFAULT_C
     except TimeoutError as e:
         raise CheckFailed(f"the check {name} did not answer within {timeout:g} s") from e
     except Exception as e:
-        raise CheckFailed(f"the check {name} raised {type(e).__name__}: {e}") from e
+        raise CheckFailed(f"the check {name} raised {_said(e)}") from e
     return _verdict(result, name)
 
 
