@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar, cast
 import orjson
 
 from . import settling, telemetry
+from .approvals import ApprovalQueue, ApprovalRequest, ApprovalStore, Waiting, guarded_step, wait_for_decision
 from .canonical import (
     Binder,
     NotCanonical,
@@ -76,6 +77,10 @@ _HINTS: dict[str, tuple[str, ...]] = {
         "Look up its result in the backend if you need it.",
     ),
     "store_unavailable": ("Try again later; the tool was not run.",),
+    "approval_pending": (
+        "Tell the user the call waits for an operator's approval.",
+        "Retry with the same tool_call_id and the same arguments after the operator decides.",
+    ),
     "tool_call_id_ambiguous": (
         "Do not retry this call: it may already have run under its earlier id.",
         "Send a new tool call with a fresh id for a new call.",
@@ -153,7 +158,7 @@ class _Call:
 
     __slots__ = (
         "agent_id", "airlock", "approval", "args", "arguments", "attempt", "call_id", "checked", "code", "context",
-        "duplicate", "eg", "escalation", "holder", "key", "kind", "kwargs", "metadata", "recorded_agent",
+        "duplicate", "eg", "escalation", "holder", "key", "kind", "kwargs", "metadata", "queue", "recorded_agent",
         "replay_value", "request", "store_seconds", "tool", "tool_call_id", "verdict",
     )
 
@@ -192,6 +197,7 @@ class _Call:
         self.escalation: str | None = None
         self.request: OversightRequest | None = None
         self.approval: dict[str, str] | None = None
+        self.queue: ApprovalQueue | None = None  # the durable queue that decides this escalated call
         self.verdict: Verdict | None = None
         self.attempt = 0
         self.replay_value: Any = None
@@ -314,6 +320,14 @@ class _Call:
                     escalation_reason=escalation,
                 )
             self.escalation = escalation
+            if isinstance(policy.approver, ApprovalQueue):
+                if eg is None or self.call_id is None:
+                    return self.refuse(
+                        "tool_call_id_required",
+                        f"The tool {name!r} needs an operator's approval, which is kept under the call's "
+                        "tool_call_id: call it with one.",
+                    )
+                self.queue = policy.approver
         return None
 
     def _not_canonical(self, why: str | None) -> Refusal:
@@ -437,6 +451,8 @@ class _Call:
         if eg.duplicate_window is not None:
             assert self.key is not None
             self.duplicate = earlier_call(eg.store, eg.duplicate_window, call_id, self.recorded_agent, self.key)
+        if self.queue is not None:
+            return self.queued_decision(eg, call_id, self.queue)
         if eg.lease is not None and self.holder is None:
             self.holder = settling.take_lease(eg.store, call_id, eg.lease)
         try:
@@ -450,6 +466,61 @@ class _Call:
                 eg.store, doubt.record, self.tool.check, self.holder,
                 appended=None if eg.on_event is None else functools.partial(telemetry.deliver, eg.on_event))
             return self.store_begin(call_id)
+
+    def queued_decision(self, eg: EffectGuard, call_id: str, queue: ApprovalQueue) -> Decision:
+        """The decision of an escalated call whose approver is a durable queue: one atomic step of
+        the store that asks, refuses, or consumes a grant with the call's ``pending``; with the
+        queue's ``wait``, a wait for the decision between two such steps."""
+        store = eg.store
+        if not isinstance(store, ApprovalStore):
+            raise TypeError(f"{type(store).__name__} keeps no approvals: an ApprovalQueue needs a store that does")
+        assert self.key is not None and self.arguments is not None and self.escalation is not None
+        holder = None
+        if eg.lease is not None:  # taken before the step, which names it on the pending it records
+            holder = uuid.uuid4().hex
+            store.take_lease(call_id, holder, eg.lease)  # type: ignore[attr-defined]
+        made: list[EffectEvent] = []
+
+        def decide(record: CallRecord | None, approval: dict[str, str] | None) -> Decision:
+            decision = decide_attempt(record, call_id, self.tool.recorded_name, self.key or "", self.arguments or "",
+                                      self.recorded_agent, self.tool.reversible, approval)
+            if holder is not None and decision.event.kind == "pending":
+                decision.event.owner = {**decision.event.owner, "lease": holder}
+            return decision
+
+        def run(waiting: bool) -> Any:
+            chosen = guarded_step(queue, call_id, self.tool.recorded_name, self.key or "", self.arguments or "",
+                                  self.recorded_agent, self.tool.reversible, self.escalation or "", waiting, decide)
+
+            def step(record: CallRecord | None, request: ApprovalRequest | None) -> tuple[list[EffectEvent], Any]:
+                events, result = chosen(record, request)
+                made[:] = events
+                return events, result
+
+            try:
+                return store.approval_step(call_id, step)
+            finally:
+                if eg.on_event is not None:
+                    for event in made:
+                        telemetry.deliver(eg.on_event, event)
+                made.clear()
+
+        try:
+            result = run(queue.wait > 0)
+            if isinstance(result, Waiting):
+                wait_for_decision(store, call_id, result.request.request_id, queue.wait, queue)
+                result = run(False)
+        except BaseException:
+            if holder is not None:
+                settling.let_go(store, call_id, holder)
+            raise
+        decision = cast(Decision, result)
+        if holder is not None:
+            if decision.event.kind == "pending":
+                self.holder = holder  # renewed while the tool runs, dropped with its outcome
+            else:
+                settling.let_go(store, call_id, holder)
+        return decision
 
     def decide(self, record: CallRecord | None) -> Decision:
         """The replay table's decision for this call, given the store's record of its id."""
@@ -636,7 +707,7 @@ class _Call:
     def gates_and_begin(self) -> Refusal | None:
         """Gates 1 to 5 and, unless one refused or the call must be approved first, the begin."""
         refusal = self.gates()
-        if refusal is None and self.escalation is None:
+        if refusal is None and (self.escalation is None or self.queue is not None):
             refusal = self.begin()
         return refusal
 
@@ -765,7 +836,7 @@ class Airlock:
         """One call of a ``def`` tool: the gates, an approval where one is needed, the store's begin;
         then the replay, the refusal, or the tool run and its outcome recorded."""
         refusal = call.gates()
-        if refusal is None and call.escalation is not None:
+        if refusal is None and call.escalation is not None and call.queue is None:
             refusal = self._approved(call)
         if refusal is None:
             refusal = call.begin()
@@ -802,11 +873,14 @@ class Airlock:
         """One call of an ``async def`` tool, as :meth:`_guarded`; the store's work made in the
         guard's threads where the store asks for it (``offload_async``)."""
         off_loop = call.eg is not None and offloads(call.eg.store)
-        if off_loop:
+        queue = self.policy.approver
+        if off_loop or (isinstance(queue, ApprovalQueue) and queue.wait > 0):
+            # A call that may wait for an operator's decision waits in the guard's threads, so the
+            # event loop keeps running.
             refusal = await offloaded(call.gates_and_begin, droppable=True, after=call.abandoned)
         else:
             refusal = call.gates_and_begin()
-        if refusal is None and call.escalation is not None:
+        if refusal is None and call.escalation is not None and call.queue is None:
             refusal = await self._approved_async(call, off_loop)
         if refusal is not None:
             return self.blocked(refusal)

@@ -7,6 +7,7 @@ import time
 from dataclasses import replace
 from datetime import datetime, timedelta
 
+from .approvals import ApprovalRequest, ApprovalStep, T, apply_approval, approval_event
 from .leases import OwnerState, Settle
 from .store import CallRecord, Decide, Decision, EffectEvent, apply, utc_now
 
@@ -32,6 +33,8 @@ class InMemoryEffectStore:
         # (agent_id, idempotency_key) -> its calls' ids, oldest first: the lookup of recent_call,
         # made at its first use (a store whose guard has no duplicate window never pays for it).
         self._by_key: dict[tuple[str | None, str], list[str]] | None = None
+        self._requests: dict[str, ApprovalRequest] = {}  # request id -> the request, as its events fold
+        self._latest_request: dict[str, str] = {}  # call id -> the id of its latest request
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         with self._lock:
@@ -47,6 +50,8 @@ class InMemoryEffectStore:
         seq = len(self._log) + 1
         self._log.append(event)
         call_id = event.call_id
+        if call_id is not None and approval_event(event):
+            self._fold_request(call_id, event, seq)
         if call_id is not None:
             before = self._records.get(call_id)
             record = apply(before, event, seq)
@@ -58,6 +63,40 @@ class InMemoryEffectStore:
     def get(self, call_id: str) -> CallRecord | None:
         with self._lock:
             return self._records.get(call_id)
+
+    # -- approvals (see guard.approvals) -----------------------------------------------------------
+
+    def _fold_request(self, call_id: str, event: EffectEvent, seq: int) -> None:
+        if event.kind == "approval_requested":
+            request = apply_approval(None, event, seq)
+            if request is not None:
+                self._requests[request.request_id] = request
+                self._latest_request[call_id] = request.request_id
+            return
+        rid = self._latest_request.get(call_id)
+        if rid is not None:
+            folded = apply_approval(self._requests[rid], event, seq)
+            if folded is not None:
+                self._requests[rid] = folded
+
+    def approval_step(self, call_id: str, step: ApprovalStep[T]) -> T:
+        with self._lock:
+            rid = self._latest_request.get(call_id)
+            events, result = step(self._records.get(call_id), None if rid is None else self._requests[rid])
+            for event in events:
+                self._append(event)
+            return result
+
+    def approval_requests(
+        self, *, call_id: str | None = None, request_id: str | None = None, status: str | None = None,
+        tool: str | None = None, limit: int | None = None, offset: int = 0,
+    ) -> list[ApprovalRequest]:
+        with self._lock:
+            found = [r for r in self._requests.values()
+                     if (call_id is None or r.call_id == call_id) and (request_id is None or r.request_id == request_id)
+                     and (status is None or r.status == status) and (tool is None or r.tool == tool)]
+        found.sort(key=lambda r: r.first_seq, reverse=True)
+        return found[offset:] if limit is None else found[offset:offset + limit]
 
     # -- leases (see guard.leases); the store's clock is this process's monotonic clock ----------
 
