@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
+from .approvals import ApprovalQueue, ApprovalStore
 from .effect_guard import EffectGuard, tag_along, wrapped_chain
 from .oversight import Approver
 
@@ -53,6 +54,13 @@ class SecurityPolicy:
                                 f"not {pattern!r}: {reason!r}")
         if approver is not None and not callable(approver):
             raise TypeError(f"approver is a function of an OversightRequest, not {approver!r}")
+        if isinstance(approver, ApprovalQueue):
+            if effect_guard is None:
+                raise TypeError("an ApprovalQueue keeps its requests in the effect guard's store: give the "
+                                "policy an effect_guard=EffectGuard(store=...)")
+            if not isinstance(effect_guard.store, ApprovalStore):
+                raise TypeError(f"an ApprovalQueue needs a store that keeps approvals (InMemoryEffectStore, "
+                                f"SQLiteJournal, PostgresJournal), not {type(effect_guard.store).__name__}")
         self.approver = approver
         # A lone string would grant each of its letters.
         self.granted_capabilities: frozenset[str] = frozenset(

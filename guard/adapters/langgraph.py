@@ -120,9 +120,45 @@ def _bubbling() -> tuple[type[BaseException], ...]:
     return (GraphBubbleUp,)  # an interrupt() in the tool, a Command to the parent graph: LangGraph's own
 
 
+def _interrupt_for(request: ToolCallRequest, outcome: Outcome) -> ToolMessage:
+    """The call waits for an operator's approval: ``interrupt()`` with the request, so the run stops
+    here and is resumed (``Command(resume=...)``) after the decision, when the node runs again and
+    the guard finds it. Resumed while the request is still undecided, the refusal is the message."""
+    from langgraph.types import interrupt
+
+    refusal = outcome.value
+    assert isinstance(refusal, Refusal)
+    meta = dict(refusal.get("metadata") or {})
+    interrupt({"airlock": "approval_pending", "tool": request.tool_call["name"], "tool_call_id": _call_id(request),
+               "args": dict(request.tool_call.get("args") or {}), "request_id": meta.get("request_id"),
+               "expires_at": meta.get("expires_at"), "error": refusal.get("error")})
+    return _message(request, outcome)
+
+
+def _pending_approval(outcome: Outcome) -> bool:
+    return isinstance(outcome.value, Refusal) and outcome.value.get("block_reason") == "approval_pending"
+
+
+def _refusal_of(result: Any) -> Refusal | None:
+    content = getattr(result, "content", None)
+    if getattr(result, "status", None) != "error" or not isinstance(content, str):
+        return None
+    try:
+        found = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(found, Mapping) and found.get("block_reason") == "approval_pending":
+        return make_refusal("approval_pending", str(found.get("error")), list(found.get("fix_hints") or []),
+                            dict(found.get("metadata") or {}))
+    return None
+
+
 def airlock_tool_call(
-    request: ToolCallRequest, execute: Callable[[ToolCallRequest], ToolMessage | Command[Any]],
-) -> ToolMessage | Command[Any]:
+    request: ToolCallRequest | None = None,
+    execute: Callable[[ToolCallRequest], ToolMessage | Command[Any]] | None = None,
+    *,
+    interrupt_on_approval: bool = False,
+) -> Any:
     """``ToolNode(..., wrap_tool_call=airlock_tool_call)``: run the call under its ``ToolCall`` id.
 
     A tool made from an ``@Airlock`` function is called by the adapter: the model's arguments are
@@ -131,12 +167,27 @@ def airlock_tool_call(
     or the tool's exception as a JSON object. Any other tool (one that takes injected arguments, or
     an unguarded one) is run by ``execute`` under the same context; a refusal of its guarded call is
     still an error ``ToolMessage``. An ``interrupt()`` inside a tool propagates, as LangGraph needs.
+
+    ``interrupt_on_approval=True`` (``wrap_tool_call=airlock_tool_call(interrupt_on_approval=True)``)
+    turns a call refused ``approval_pending`` (``guard.approvals.ApprovalQueue``) into LangGraph's
+    ``interrupt()`` carrying the request; resuming the graph after the operator's decision runs the
+    node again, and the guard lets the approved call through once.
     """
+    if request is None or execute is None:
+        if request is not None or execute is not None:
+            raise TypeError("airlock_tool_call takes a request and execute, or only interrupt_on_approval")
+
+        def configured(request: ToolCallRequest, execute: Callable[[ToolCallRequest], Any]) -> Any:
+            return airlock_tool_call(request, execute, interrupt_on_approval=interrupt_on_approval)
+
+        return configured
     fn = _guarded_fn(request, for_async=False)
     call_id = _call_id(request)
     if fn is not None:
         outcome = _dispatch({request.tool_call["name"]: fn}, request.tool_call["name"], call_id,
                             dict(request.tool_call.get("args") or {}), reraise=_bubbling())
+        if interrupt_on_approval and _pending_approval(outcome):
+            return _interrupt_for(request, outcome)
         return _message(request, outcome)
     tool = _table_entry(request)
     with _context(call_id, None, None):
@@ -144,21 +195,46 @@ def airlock_tool_call(
             result = execute(request)
         except AirlockBlocked as blocked:
             if tool is not None and _refuses_this_call(tool, call_id, blocked.refusal):
-                return _as_error(request, blocked.refusal)
-            raise
-    return _settled(request, tool, result)  # type: ignore[no-any-return]
+                result = _as_error(request, blocked.refusal)
+            else:
+                raise
+    settled = _settled(request, tool, result)
+    pending = _refusal_of(settled) if interrupt_on_approval else None
+    if pending is not None:
+        return _interrupt_for(request, Outcome(refusal_text(pending), True, pending))
+    return settled
 
 
-async def airlock_atool_call(
-    request: ToolCallRequest, execute: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
-) -> ToolMessage | Command[Any]:
+def airlock_atool_call(
+    request: ToolCallRequest | None = None,
+    execute: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]] | None = None,
+    *,
+    interrupt_on_approval: bool = False,
+) -> Any:
     """``ToolNode(..., awrap_tool_call=airlock_atool_call)``: as :func:`airlock_tool_call`, for
-    ``ainvoke``/``astream``; an ``async def`` tool is awaited, a ``def`` tool called."""
+    ``ainvoke``/``astream``; an ``async def`` tool is awaited, a ``def`` tool called.
+    ``airlock_atool_call(interrupt_on_approval=True)`` as for :func:`airlock_tool_call`."""
+    if request is None or execute is None:
+        if request is not None or execute is not None:
+            raise TypeError("airlock_atool_call takes a request and execute, or only interrupt_on_approval")
+
+        async def configured(request: ToolCallRequest, execute: Callable[[ToolCallRequest], Awaitable[Any]]) -> Any:
+            return await _atool_call(request, execute, interrupt_on_approval)
+
+        return configured
+    return _atool_call(request, execute, interrupt_on_approval)
+
+
+async def _atool_call(
+    request: ToolCallRequest, execute: Callable[[ToolCallRequest], Awaitable[Any]], interrupt_on_approval: bool,
+) -> Any:
     fn = _guarded_fn(request, for_async=True)
     call_id = _call_id(request)
     if fn is not None:
         outcome = await _adispatch({request.tool_call["name"]: fn}, request.tool_call["name"], call_id,
                                    dict(request.tool_call.get("args") or {}), reraise=_bubbling())
+        if interrupt_on_approval and _pending_approval(outcome):
+            return _interrupt_for(request, outcome)
         return _message(request, outcome)
     tool = _table_entry(request)
     async with _context(call_id, None, None):
@@ -166,6 +242,11 @@ async def airlock_atool_call(
             result = await execute(request)
         except AirlockBlocked as blocked:
             if tool is not None and _refuses_this_call(tool, call_id, blocked.refusal):
-                return _as_error(request, blocked.refusal)
-            raise
-    return _settled(request, tool, result)  # type: ignore[no-any-return]
+                result = _as_error(request, blocked.refusal)
+            else:
+                raise
+    settled = _settled(request, tool, result)
+    pending = _refusal_of(settled) if interrupt_on_approval else None
+    if pending is not None:
+        return _interrupt_for(request, Outcome(refusal_text(pending), True, pending))
+    return settled
