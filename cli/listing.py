@@ -82,4 +82,7 @@ def stats_rows(stats: JournalStats) -> list[dict[str, Any]]:
                      "oldest_at": None if at is None else format_at(at)})
     for tool, count in sorted(stats.by_tool.items(), key=lambda item: (-item[1], item[0])):
         rows.append({"group": "tool", "name": tool, "count": count, "oldest_at": None})
+    oldest_request = stats.oldest_open_approval_at
+    rows.append({"group": "approvals", "name": "open", "count": stats.approvals_open,
+                 "oldest_at": None if oldest_request is None else format_at(oldest_request)})
     return rows

@@ -22,6 +22,11 @@ _IN_DOUBT = ("airlock_calls_in_doubt",
              "settle them with airlock journal resolve.")
 _OLDEST = ("airlock_oldest_in_doubt_age_seconds",
            "Seconds since the oldest call in doubt entered its status; 0 when none is.")
+_APPROVALS = ("airlock_approvals_open",
+              "Requests for approval waiting for an operator's decision; decide them with airlock journal "
+              "approve or deny.")
+_OLDEST_APPROVAL = ("airlock_oldest_open_approval_age_seconds",
+                    "Seconds since the oldest open request for approval was made; 0 when none is open.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,8 @@ class JournalGauges:
     events: int
     in_doubt: int
     oldest_in_doubt: datetime | None
+    approvals_open: int = 0
+    oldest_open_approval: datetime | None = None
 
 
 def read_gauges(j: Any) -> JournalGauges:
@@ -57,7 +64,8 @@ def read_gauges(j: Any) -> JournalGauges:
     doubtful = [r for r in unsettled
                 if r.status == "unknown" or (r.status == "pending" and not states[r.call_id].alive)]
     oldest = min((r.since for r in doubtful), default=None)
-    return JournalGauges(calls=calls, events=stats.events, in_doubt=len(doubtful), oldest_in_doubt=oldest)
+    return JournalGauges(calls=calls, events=stats.events, in_doubt=len(doubtful), oldest_in_doubt=oldest,
+                         approvals_open=stats.approvals_open, oldest_open_approval=stats.oldest_open_approval_at)
 
 
 def escape_label(value: str) -> str:
@@ -73,9 +81,13 @@ def _family(name_help: tuple[str, str], samples: Iterable[str]) -> list[str]:
 def render_gauges(gauges: JournalGauges, now: datetime | None = None) -> str:
     """The text format of ``gauges``, each family with its ``# HELP`` and ``# TYPE`` lines; ends with
     a line feed. ``now`` (default: the time now) dates the age of the oldest call in doubt."""
+    now = now or utc_now()
     age = 0.0
     if gauges.oldest_in_doubt is not None:
-        age = max(((now or utc_now()) - gauges.oldest_in_doubt).total_seconds(), 0.0)
+        age = max((now - gauges.oldest_in_doubt).total_seconds(), 0.0)
+    asked = 0.0
+    if gauges.oldest_open_approval is not None:
+        asked = max((now - gauges.oldest_open_approval).total_seconds(), 0.0)
     calls = (f'{_CALLS[0]}{{status="{escape_label(status)}",tool="{escape_label(tool)}"}} {count}'
              for (status, tool), count in sorted(gauges.calls.items(), key=lambda item: (item[0][1], item[0][0])))
     lines = [
@@ -83,5 +95,7 @@ def render_gauges(gauges: JournalGauges, now: datetime | None = None) -> str:
         *_family(_EVENTS, [f"{_EVENTS[0]} {gauges.events}"]),
         *_family(_IN_DOUBT, [f"{_IN_DOUBT[0]} {gauges.in_doubt}"]),
         *_family(_OLDEST, [f"{_OLDEST[0]} {age:.3f}"]),
+        *_family(_APPROVALS, [f"{_APPROVALS[0]} {gauges.approvals_open}"]),
+        *_family(_OLDEST_APPROVAL, [f"{_OLDEST_APPROVAL[0]} {asked:.3f}"]),
     ]
     return "\n".join(lines) + "\n"

@@ -461,6 +461,10 @@ def stats_lines(stats: JournalStats, *, colour: bool = False) -> list[str]:
     for status, at in (("pending", stats.oldest_pending_at), ("unknown", stats.oldest_unknown_at)):
         text = "-" if at is None else f"{format_at(at)} ({age(at, now)})"
         lines.append(f"oldest {status}  {text}")
+    lines += ["", f"approvals open  {stats.approvals_open}"]
+    if stats.oldest_open_approval_at is not None:
+        at = stats.oldest_open_approval_at
+        lines.append(f"oldest open approval  {format_at(at)} ({age(at, now)})")
     return lines
 
 
@@ -472,6 +476,7 @@ def stats_json(stats: JournalStats) -> dict[str, Any]:
         "by_tool": dict(stats.by_tool),
         "oldest_pending_at": None if stats.oldest_pending_at is None else format_at(stats.oldest_pending_at),
         "oldest_unknown_at": None if stats.oldest_unknown_at is None else format_at(stats.oldest_unknown_at),
+        "approvals_open": stats.approvals_open,
     }
 
 

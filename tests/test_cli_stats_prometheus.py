@@ -18,7 +18,8 @@ from journal import SQLiteJournal
 from journal.copy import copy_journal
 from tests.cli_support import digest, invoke, leave_pending, pending_with_live_owner, run_airlock, seed
 
-FAMILIES = ["airlock_calls", "airlock_events", "airlock_calls_in_doubt", "airlock_oldest_in_doubt_age_seconds"]
+FAMILIES = ["airlock_calls", "airlock_events", "airlock_calls_in_doubt", "airlock_oldest_in_doubt_age_seconds",
+            "airlock_approvals_open", "airlock_oldest_open_approval_age_seconds"]
 
 
 def parsed(text: str) -> dict[str, Any]:
@@ -146,7 +147,7 @@ def test_escape_label_follows_the_text_format() -> None:
     gauges = JournalGauges(calls={("committed", 'x"y'): 3}, events=7, in_doubt=1,
                            oldest_in_doubt=datetime.fromisoformat("2026-12-01T05:00:00+00:00"))
     text = render_gauges(gauges, now=datetime.fromisoformat("2026-12-01T05:01:30.5+00:00"))
-    assert text.endswith("\nairlock_oldest_in_doubt_age_seconds 90.500\n")
+    assert "\nairlock_oldest_in_doubt_age_seconds 90.500\n" in text and text.endswith("\n")
     assert 'airlock_calls{status="committed",tool="x\\"y"} 3\n' in text
 
 
