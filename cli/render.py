@@ -15,10 +15,10 @@ import click
 import orjson
 
 from guard.leases import OwnerState
+from guard.liveness import owner_alive
 from guard.store import CallRecord, current_owner, format_at
 from journal.events import JournalEvent, JournalStats
 from journal.export import one_line_each
-from guard.liveness import owner_alive
 
 ELLIPSIS = "…"
 

@@ -57,7 +57,8 @@ def test_a_run_waits_for_the_operator_and_runs_the_tool_once_on_resume() -> None
     config = {"configurable": {"thread_id": "t1"}}
     first = app.invoke({"messages": [HumanMessage(content="pay")]}, config)
     waiting = first["__interrupt__"][0].value
-    assert (waiting["airlock"], waiting["tool"], waiting["tool_call_id"]) == ("approval_pending", "charge", "call_pay_1")
+    assert (waiting["airlock"], waiting["tool"], waiting["tool_call_id"]) == (
+        "approval_pending", "charge", "call_pay_1")
     assert waiting["args"] == {"account": "acct_1", "cents": 500} and waiting["request_id"]
     assert charges == []
     # Resumed before anyone decided: the run interrupts again, and nothing is charged.
