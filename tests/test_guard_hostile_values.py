@@ -202,8 +202,7 @@ def test_a_call_id_and_agent_id_with_a_lone_surrogate_run_once_on_every_store(st
     record = store.get("agent:%call_%uDCFF")
     assert (record.status, record.agent_id) == ("committed", "agent-\\udcff")
     kinds = [(e.kind, e.call_id, e.agent_id) for e in store.events(call_id="agent:%call_%uDCFF")]
-    assert kinds == [("pending", "agent:%call_%uDCFF", "agent-\\udcff"), ("committed", "agent:%call_%uDCFF", "agent-\\udcff"),
-                     ("replayed", "agent:%call_%uDCFF", "agent-\\udcff")]
+    assert kinds == [(kind, "agent:%call_%uDCFF", "agent-\\udcff") for kind in ("pending", "committed", "replayed")]
 
 
 def test_a_journal_given_an_id_with_a_lone_surrogate_raises_its_own_error(store: Any) -> None:
