@@ -4,10 +4,11 @@ Each part reads the events of one range of call ids once, by call id: it recompu
 from the row's fields, folds each call's events with the guard's ``apply`` and compares the record
 with the call's projection row, one call at a time (a part's memory does not grow with the
 journal). SQLite checks the links of one contiguous range of ``seq`` (no gap, each ``prev_hash``
-the hash of the event before), so no part reads the log twice. The parts together check what the
-one-pass ``SQLiteJournal.verify`` checks; they only say whether all is well. When any part finds a
-problem, the journal is verified again in one pass, which names the first bad event exactly as it
-always does.
+the hash of the event before), so no part reads the log twice. Each index of the file is checked
+against its table (:mod:`journal.sqlite.indexes`) by one of the parts. The parts together check
+what the one-pass ``SQLiteJournal.verify`` checks; they only say whether all is well. When any part
+finds a problem, the journal is verified again in one pass, which names the first bad event (or
+index) exactly as it always does.
 
 A part runs in this process or in a child: ``python -m journal.sqlite_verify PATH PART PARTS HEAD``
 prints ``{"ok":true}`` or ``{"ok":false}``.
@@ -32,7 +33,7 @@ from .chain import GENESIS, ChainCheck
 from .events import VerifyReport
 from .projection import FOLD_COLUMNS, fold_calls
 from .rows import CALL_COLUMNS, CHANGING_KINDS, EVENT_COLUMNS
-from .sqlite import schema
+from .sqlite import indexes, schema
 
 __all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "SAMPLES", "check_part", "child_said_ok", "index_problem",
            "start_part", "unindexed", "verify_snapshot"]
@@ -54,10 +55,7 @@ BY_CALL = (f"SELECT {', '.join(f't.{c}' for c in FOLD_COLUMNS)} FROM events AS i
            f"ON t.seq = i.seq WHERE i.call_id IS NOT NULL AND t.call_id IS i.call_id AND t.kind IN {CHANGING_KINDS} "
            "ORDER BY i.call_id, i.seq")
 _T_EVENT_COLUMNS = ", ".join(f"t.{c}" for c in EVENT_COLUMNS)
-# The first event from one seq to another that lacks its own entry in the index on call id.
-_UNINDEXED = ("SELECT t.seq FROM events AS t WHERE t.seq BETWEEN ? AND ? AND NOT EXISTS "
-              "(SELECT 1 FROM events AS i INDEXED BY events_call_id WHERE i.call_id IS t.call_id AND i.seq = t.seq) "
-              "ORDER BY t.seq LIMIT 1")
+_T_OTHER_CALL_COLUMNS = ", ".join(f"t.{c}" for c in CALL_COLUMNS[1:])
 
 
 def unindexed(conn: sqlite3.Connection, lo: int, hi: int) -> int | None:
@@ -65,31 +63,53 @@ def unindexed(conn: sqlite3.Connection, lo: int, hi: int) -> int | None:
     id), or None. The reads by call id (verify's fold, rebuild's) see the log through that index:
     an index altered or damaged behind SQLite's back (its own quick check does not look) would
     otherwise hide an event from them."""
-    found = conn.execute(_UNINDEXED, (lo, hi)).fetchone()
-    return None if found is None else int(found[0])
+    return indexes.unindexed(conn, lo, hi)
 
 
 def index_problem(seq: int) -> str:
     """What verify says of an event that the index on call id lacks."""
-    return (f"seq {seq} is missing from the log's index by call id (the file was altered or damaged); "
-            "run rebuild, which makes the index again")
+    return (f"seq {seq} is missing from the log's index by call id ({indexes.EVENTS_BY_CALL}: the file was "
+            "altered or damaged); run rebuild, which makes the index again")
+
+
+def _indexes_problem(conn: sqlite3.Connection, first: int, last: int) -> tuple[int | None, str] | None:
+    """What is wrong with the file's indexes, for a log of events ``first`` to ``last`` that checked
+    out: the first event that the index on call id lacks, or the first index whose entries are not
+    its table's rows (:func:`journal.sqlite.indexes.problem`, which raises
+    :class:`~journal.sqlite.indexes.DamagedIndex` for an index in a damaged file); None."""
+    by_call = next((i for i in indexes.indexes(conn) if i.name == indexes.EVENTS_BY_CALL), None)
+    try:
+        missing = indexes.unindexed(conn, first, last, by_call)
+    except indexes.DamagedIndex as e:  # SQLite cannot read it: said so, if it may be made again in place
+        return None, indexes.diagnosed(conn, e.index, e.what)
+    if missing is not None:
+        return missing, index_problem(missing)
+    found = indexes.problem(conn, events=last - first + 1)
+    return None if found is None else (None, found)
 
 
 def verify_snapshot(conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
     """The report of ``SQLiteJournal.verify`` in one pass over what ``conn`` sees (in a transaction of
     the caller's: a read snapshot, or a write not yet committed), holding one event and one call at
     a time (:func:`journal.verifying.verify_log`). A journal with archives has its log folded onto
-    the projection as of the last archive's head, holding the calls that log touches."""
+    the projection as of the last archive's head, holding the calls that log touches. Once the chain
+    has checked out, every index is checked against its table, before the projection is compared
+    with the log read through them (raises :class:`~journal.sqlite.indexes.DamagedIndex`, see there)."""
     base = archive.sqlite_archived_head(conn)
     if base[0]:
-        return verifying.verify_rows(
+        report = verifying.verify_rows(
             conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
             lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
             start=base, archived=archive.SQLiteSnapshot(conn), advance=advance,
         )
+        found = _indexes_problem(conn, base[0] + 1, base[0] + report.events) if report.ok else None
+        if found is None:
+            return report
+        return VerifyReport(ok=False, events=report.events, head=report.head, first_bad_seq=found[0],
+                            problem=found[1])
+
     def indexed(check: ChainCheck) -> tuple[int | None, str] | None:
-        missing = unindexed(conn, 1, check.last_seq)
-        return None if missing is None else (missing, index_problem(missing))
+        return _indexes_problem(conn, 1, check.last_seq)
 
     return verifying.verify_log(
         conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
@@ -130,24 +150,26 @@ def _range(part: int, parts: int, head: int) -> tuple[int, int]:
 
 
 def _links_ok(conn: sqlite3.Connection, lo: int, hi: int) -> bool:
-    """Events ``lo..hi`` are all there and each names the hash of the one before as its
-    ``prev_hash`` (the one before ``lo`` is taken as it is: the part before checks it). Each hash
-    is recomputed from its row's fields by :func:`_calls_ok`; the links are SQLite's to check."""
+    """Events ``lo..hi`` are all there, each names the hash of the one before as its ``prev_hash``
+    (the one before ``lo`` is taken as it is: the part before checks it), and each has its own
+    entry in the index on call id (:func:`unindexed`), in one read of the range. Each hash is
+    recomputed from its row's fields by :func:`_calls_ok`; the links are SQLite's to check."""
     if lo == 1:
         if conn.execute("SELECT 1 FROM events WHERE seq < 1 LIMIT 1").fetchone() is not None:
             return False  # an event before the first (seq starts at 1)
         first = conn.execute("SELECT prev_hash FROM events WHERE seq = 1").fetchone()
-        if first is None or first[0] != GENESIS:
+        if first is None or first[0] != GENESIS or unindexed(conn, 1, 1) is not None:
             return False
         lo = 2
     if lo > hi:
         return True
     linked = conn.execute(
         "SELECT count(*) FROM events AS e JOIN events AS before ON before.seq = e.seq - 1 "
-        "WHERE e.seq BETWEEN ? AND ? AND e.prev_hash = before.hash",
+        "WHERE e.seq BETWEEN ? AND ? AND e.prev_hash = before.hash AND EXISTS "
+        "(SELECT 1 FROM events AS i INDEXED BY events_call_id WHERE i.call_id IS e.call_id AND i.seq = e.seq)",
         (lo, hi),
     ).fetchone()[0]
-    return bool(linked == hi - lo + 1)  # no gap, and no link broken
+    return bool(linked == hi - lo + 1)  # no gap, no link broken, no event the index lacks
 
 
 def _calls_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -> bool:
@@ -173,7 +195,12 @@ def _calls_ok(conn: sqlite3.Connection, part: int, parts: int, head: int) -> boo
         callless = conn.execute(f"SELECT {_T_EVENT_COLUMNS} FROM events AS i JOIN events AS t ON t.seq = i.seq "
                                 "WHERE i.call_id IS NULL AND t.call_id IS NULL ORDER BY i.seq")
         events = itertools.chain(callless, events)
-    rows = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls WHERE {where} ORDER BY call_id", bounds)
+    # The projection read through its index on call id, the id from each entry and the rest from its
+    # row: an entry altered to name another call gives a row that the fold of no call matches, and
+    # a row the index lacks is not read (the fold then lacks it, or the index's count is short).
+    rows = conn.execute(f"SELECT i.call_id, {_T_OTHER_CALL_COLUMNS} FROM calls AS i INDEXED BY "
+                        f"{indexes.CALLS_BY_ID} CROSS JOIN calls AS t ON t.rowid = i.rowid "
+                        f"WHERE {where.replace('call_id', 'i.call_id')} ORDER BY i.call_id", bounds)
     return verifying.projection_problem(verifying.checked_calls(events), rows, log_end) is None
 
 
@@ -184,7 +211,17 @@ def check_part(path: str | os.PathLike[str], part: int, parts: int, head: int) -
     try:
         conn.execute("BEGIN")  # the projection and the log it is compared with, at one moment
         lo, hi = _range(part, parts, head)
-        return _links_ok(conn, lo, hi) and unindexed(conn, lo, hi) is None and _calls_ok(conn, part, parts, head)
+        if not _links_ok(conn, lo, hi):
+            return False
+        if part == parts - 1:  # the events after head, in this snapshot: each has its entry too
+            if unindexed(conn, head + 1, 1 << 62) is not None:
+                return False
+            events = head + conn.execute("SELECT count(*) FROM events WHERE seq > ?", (head,)).fetchone()[0]
+        else:
+            events = None
+        if indexes.problem(conn, part, parts, calls_read=True, diagnose=False, events=events) is not None:
+            return False
+        return _calls_ok(conn, part, parts, head)
     except (sqlite3.Error, ValueError, TypeError, AttributeError):
         return False  # a stored field that cannot be read, or ids out of order: the one-pass check names it
     finally:

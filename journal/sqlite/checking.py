@@ -18,7 +18,7 @@ from ..events import JournalEvent, VerifyReport
 from ..projection import fold_into
 from ..rebuilding import ByCall, archived_changes, changes, checked_row
 from ..rows import call_row, event_row
-from . import damage, schema
+from . import damage, indexes, schema
 from .connection import _FULL, _NORMAL, Connection
 from .sql import _CALL_COLUMNS, _EVENT_COLUMNS, _INSERT_EVENT, _SELECT_HEAD, _UPSERT_CALL
 
@@ -42,8 +42,9 @@ class Checking(Connection):
     """Verify (in parts, on several cores, for a large journal) and rebuild."""
 
     def verify(self, *, parts: int | None = None, advance: Callable[[int], None] | None = None) -> VerifyReport:
-        """Recompute the hash chain from the stored fields, check that ``seq`` is gapless from 1, and
-        compare the projection with the fold of the log, on one consistent snapshot.
+        """Recompute the hash chain from the stored fields, check that ``seq`` is gapless from 1,
+        check every index of the file against its table, and compare the projection with the fold
+        of the log, on one consistent snapshot.
 
         A journal of :data:`~journal.sqlite_verify.PARALLEL_FROM` events or more is checked in
         ``parts`` (default: one a core, at most 4) by child processes at once; when a part finds a
@@ -65,19 +66,29 @@ class Checking(Connection):
                 if n > 1 and self._retry(snapshot, lambda: archive.sqlite_archived_head(snapshot))[0]:
                     n = 1  # the parts check a log that starts at seq 1; an archived one is checked in one pass
                 if n > 1 and self._verified_in_parts(int(head[0]), n, advance):
-                    return self._undamaged(snapshot, VerifyReport(
-                        ok=True, events=int(head[0]), head=str(head[1]), first_bad_seq=None, problem=None))
+                    parts_ok = VerifyReport(ok=True, events=int(head[0]), head=str(head[1]), first_bad_seq=None,
+                                            problem=None)
+                    return self._undamaged(snapshot, self._retry(snapshot, lambda: self._requests_checked(
+                        snapshot, parts_ok)))
             try:
                 report = self._retry(snapshot, lambda: self._verify(snapshot, advance))
-            except JournalDamaged:
-                # SQLite could not read a page the pass needed (an index, read by call id): the file
-                # is marked, and SQLite's own check says what it finds. A text that is not UTF-8
-                # is no damage of SQLite's pages: its own message names it.
-                found = self._retry(snapshot, lambda: snapshot.execute("PRAGMA quick_check").fetchall())
-                if found == [("ok",)]:
-                    raise
+            except JournalDamaged as e:
+                # SQLite could not read a page the pass needed (an index, read by call id), or an
+                # index differs from its table in a file whose pages are damaged: the file is marked,
+                # and SQLite's own check says what it finds. A text that is not UTF-8 is no damage
+                # of SQLite's pages: its own message names it.
+                index = indexes.damaged_index(e)
+                if index is None:
+                    found = self._retry(snapshot, lambda: snapshot.execute("PRAGMA quick_check").fetchall())
+                    if found == [("ok",)]:
+                        raise
+                    problem = f"SQLite finds the file damaged: {indexes.first_finding(found)}"
+                else:  # named, and what to do: not REINDEX (see journal.sqlite.indexes)
+                    pages = index.pages or self._retry(snapshot, lambda: indexes.quick_check(snapshot))
+                    problem = (f"SQLite finds the file damaged: {pages}; " if pages else "") + (
+                        f"{index.index.said(index.what)}: {indexes.RESTORE}")
                 return VerifyReport(ok=False, events=0, head=str(head[1]) if head is not None else GENESIS,
-                                    first_bad_seq=None, problem=f"SQLite finds the file damaged: {found[0][0]}")
+                                    first_bad_seq=None, problem=problem)
             return self._undamaged(snapshot, report)
         finally:
             with contextlib.suppress(sqlite3.Error):
@@ -147,6 +158,19 @@ class Checking(Connection):
 
         return self._write(_FULL if self.durability == "full" else _NORMAL, step)
 
+    @staticmethod
+    def _remake_indexes(conn: sqlite3.Connection) -> None:
+        """Make again, in the write transaction on ``conn``, each index whose entries are not its
+        table's rows (:func:`journal.sqlite.indexes.mismatched`): the log is read through the one on
+        call id, and the guard's lookups through the others. Only in a file whose pages SQLite's
+        quick check finds sound: in one it finds damaged, the index's pages may point into other
+        tables', which REINDEX would free, and :class:`~journal.sqlite.indexes.DamagedIndex` (a
+        malformed file, for which rebuild is refused) is raised instead."""
+        first = archive.sqlite_archived_head(conn)[0] + 1
+        last = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        for index in indexes.mismatched(conn, first, last):
+            conn.execute(f'REINDEX "{index.name}"')
+
     def _rebuilt_by_call(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None) -> int:
         """The projection of a log without archives made its fold, in the write transaction on
         ``conn``, holding one call at a time: the events that change a record are read by call id
@@ -157,8 +181,6 @@ class Checking(Connection):
         it was; a projection row that cannot be read (a text that is not UTF-8) has every row
         replaced by the fold."""
         events = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
-        if sqlite_verify.unindexed(conn, 1, events) is not None:
-            conn.execute("REINDEX events_call_id")  # the log is read through it: made again from the table
         conn.execute("DELETE FROM calls WHERE call_id IS NULL")  # no log makes a row without a call id
         conn.execute("DROP TABLE IF EXISTS temp.airlock_rebuilt")
         conn.execute(f"CREATE TEMP TABLE airlock_rebuilt AS SELECT {_CALL_COLUMNS}, 0 AS gone FROM calls WHERE 0")
