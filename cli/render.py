@@ -185,6 +185,7 @@ def table(
     shrinkable: Sequence[int] = (),
     ids: int | None = None,
     droppable: Sequence[int] = (),
+    floors: Mapping[int, int] | None = None,
     width: int | None = None,
     styles: Sequence[str | None] | None = None,
     colour: bool = False,
@@ -196,8 +197,8 @@ def table(
     When ``width`` is given and the table is wider, the columns in ``shrinkable`` lose characters
     (widest first, each keeping at least 8) and their cells end in an ellipsis; the column ``ids``
     (a column of ids) is never cut so far that two of its ids look the same, and is cut in the
-    middle where its ids share their start. If that is not enough, the columns in ``droppable``
-    are left out, in that order. ``styles`` names a status per row, which colours the status cell
+    middle where its ids share their start. ``floors`` gives a shrinkable column a narrowest width of
+    its own. If that is not enough, the columns in ``droppable`` are left out, in that order. ``styles`` names a status per row, which colours the status cell
     (header "STATUS") when ``colour``. ``show_headers=False`` leaves out the header line.
     """
     rows = [[printable(cell) for cell in row] for row in rows]
@@ -207,7 +208,9 @@ def table(
             widths[i] = max(widths[i], display_width(cell))
     shown = list(range(len(headers)))
     if width is not None:
-        floors = {i: max(8, display_width(headers[i])) for i in shrinkable}
+        least = {i: max(8, display_width(headers[i])) for i in shrinkable}
+        least.update(floors or {})
+        floors = least
         if ids is not None:
             floors[ids] = max(display_width(headers[ids]), distinct_width([row[ids] for row in rows], 8))
         drop = list(droppable)
@@ -252,16 +255,18 @@ CALL_HEADERS = ("CALL ID", "TOOL", "STATUS", "ATTEMPT", "AGENT", "AGE")
 def calls_table(records: Sequence[CallRecord], *, width: int | None = None, colour: bool = False,
                 states: Mapping[str, OwnerState] | None = None, show_headers: bool = True) -> list[str]:
     """The ``show`` table: one call a row, newest first as given; AGE counts from its last change.
-    In a narrow terminal the ids are cut in their middle (never to a start they share), tools and
-    agents at their end, and AGENT, then ATTEMPT, are left out when that is not enough."""
+    In a narrow terminal a call id is never cut (it is what an operator copies): the status's mark
+    (``(by reconciler:...)``), tools and agents are cut at their end, and AGENT, then ATTEMPT, are
+    left out when that is not enough."""
     now = datetime.now(UTC)
     rows = [
         (r.call_id, r.tool, status_text(r, (states or {}).get(r.call_id)), str(r.attempt), r.agent_id or "-",
          age(r.updated_at, now))
         for r in records
     ]
+    status_word = max((display_width(r.status) for r in records), default=8)
     return table(
-        CALL_HEADERS, rows, shrinkable=(1, 4), ids=0, droppable=(4, 3), width=width,
+        CALL_HEADERS, rows, shrinkable=(2, 1, 4), droppable=(4, 3), floors={2: max(status_word, 6)}, width=width,
         styles=[r.status for r in records], colour=colour, show_headers=show_headers,
     )
 
