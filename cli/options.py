@@ -54,6 +54,10 @@ def _usage_failure(error: click.UsageError) -> click.ClickException:
     return UsageFailure(one_line(error.format_message()))
 
 
+# The exit status of a command ended by Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
+
+
 class Group(click.Group):
     """A click group that reports a journal error as ``Error: ...`` and exit 1, and a usage error
     as ``Error: ...`` and exit 2: one line on stderr, never a traceback.
@@ -91,6 +95,11 @@ class Group(click.Group):
             raise click.ClickException(_not_found(e, ctx.meta.get(_DB_SOURCE))) from e
         except JournalError as e:
             raise click.ClickException(one_line(str(e) or type(e).__name__)) from e
+        except KeyboardInterrupt:
+            # Ctrl-C: a write under way is rolled back by its transaction. Exit 130, as a shell
+            # reports a command ended by SIGINT, not click's "Aborted!" and 1.
+            click.echo("\nInterrupted: a write under way was rolled back.", err=True)
+            raise click.exceptions.Exit(INTERRUPTED) from None
 
 
 class ClosedStream(io.TextIOBase):
