@@ -18,7 +18,7 @@ import click
 import orjson
 from click.core import ParameterSource
 
-from guard.store import CallRecord
+from guard.store import CallRecord, format_at
 from journal import Journal, open_journal
 from journal.chain import GAP, verify_lines
 from journal.events import REDACTABLE, JournalEvent, VerifyReport
@@ -26,7 +26,7 @@ from journal.projection import fold
 from journal.rows import unfaithful_json
 from journal.signing import SigningKey
 
-from . import archive, audit, prometheus, reconcile, render
+from . import approvals, archive, audit, prometheus, reconcile, render
 from .export import NotJsonLines, read_export, write_events, write_file
 from .listing import STATS_COLUMNS, chosen_format, delimited, listing_options, stats_rows
 from .options import (
@@ -177,6 +177,16 @@ def _cut_note(offset: int, shown: int) -> str:
         return f"(the newest {shown}; more match: pass --limit for more, --offset {shown} for the next page, or --all)"
     return (f"(calls {offset + 1} to {offset + shown}, newest first; more match: pass --offset {offset + shown} "
             "for the next page, or --all)")
+
+
+def in_doubt(j: Journal) -> dict[str, Any]:
+    """The counts a runbook alerts on: pending calls whose owner is alive and gone, the calls in
+    doubt (unknown, and pending with the owner gone) and when the oldest of them entered its status."""
+    gauges = prometheus.read_gauges(j)
+    owners = pending_owners(j)
+    oldest = gauges.oldest_in_doubt
+    return {**owners, "calls_in_doubt": gauges.in_doubt,
+            "oldest_in_doubt_at": None if oldest is None else format_at(oldest)}
 
 
 def pending_owners(j: Journal) -> dict[str, int]:
@@ -628,8 +638,11 @@ def stats(ctx: click.Context, as_json: bool, fmt: str, as_csv: bool, as_tsv: boo
     """Count the calls by status and by tool, and show the oldest pending and unknown call.
 
     --json prints one object: calls, events, by_status, by_tool, oldest_pending_at and
-    oldest_unknown_at (when the oldest such call entered that status, or null). --csv, --tsv
-    and --nl print rows of group (total, status, tool), name, count and oldest_at.
+    oldest_unknown_at (when the oldest such call entered that status, or null), approvals_open,
+    pending_owner_alive and pending_owner_gone, calls_in_doubt (unknown, and pending with the
+    owner gone) and oldest_in_doubt_at: alert on these, not on oldest_pending_at, which counts
+    calls still running. --csv, --tsv and --nl print rows of group (total, status, tool,
+    approvals, owner, doubt), name, count and oldest_at.
     --format prometheus prints airlock_calls, airlock_events, airlock_calls_in_doubt and
     airlock_oldest_in_doubt_age_seconds (see docs/observability.md).
 
@@ -648,6 +661,13 @@ def stats(ctx: click.Context, as_json: bool, fmt: str, as_csv: bool, as_tsv: boo
             raise click.UsageError(f"--{listing} and --format {fmt} are two outputs: give one")
         with open_journal(db, readonly=True, create=False) as j:
             rows = stats_rows(j.stats())
+            doubt = in_doubt(j)
+        rows += [
+            {"group": "owner", "name": "pending_owner_alive", "count": doubt["pending_owner_alive"], "oldest_at": None},
+            {"group": "owner", "name": "pending_owner_gone", "count": doubt["pending_owner_gone"], "oldest_at": None},
+            {"group": "doubt", "name": "in_doubt", "count": doubt["calls_in_doubt"],
+             "oldest_at": doubt["oldest_in_doubt_at"]},
+        ]
         if listing == "nl":
             echo_bytes(*(render.dumps_line(row) for row in rows))
         else:
@@ -662,10 +682,12 @@ def stats(ctx: click.Context, as_json: bool, fmt: str, as_csv: bool, as_tsv: boo
         return
     with open_journal(db, readonly=True, create=False) as j:
         counted = j.stats()
+        if as_json:
+            doubt = in_doubt(j)
         # Only a person reads whose pending calls are alive; it costs a read of the pending calls.
         owners = pending_owners(j) if counted.by_status.get("pending") and not as_json else None
     if as_json:
-        echo_bytes(render.dumps_line(render.stats_json(counted)))
+        echo_bytes(render.dumps_line({**render.stats_json(counted), **doubt}))
         return
     _echo_lines(render.stats_lines(counted, colour=render.use_colour()))
     if owners is not None:
@@ -679,3 +701,6 @@ journal.add_command(audit.keygen)
 journal.add_command(reconcile.reconcile)
 journal.add_command(audit.checkpoint)
 journal.add_command(archive.archive)
+journal.add_command(approvals.approvals)
+journal.add_command(approvals.approve)
+journal.add_command(approvals.deny)

@@ -146,7 +146,9 @@ def test_stats_of_an_empty_journal(tmp_path: Path) -> None:
     SQLiteJournal(path).close()
     counted = orjson.loads(invoke("journal", "stats", "--json", "--db", str(path)).stdout)
     assert counted == {"calls": 0, "events": 0, "by_status": {}, "by_tool": {},
-                       "oldest_pending_at": None, "oldest_unknown_at": None, "approvals_open": 0}
+                       "oldest_pending_at": None, "oldest_unknown_at": None, "approvals_open": 0,
+                       "pending_owner_alive": 0, "pending_owner_gone": 0, "calls_in_doubt": 0,
+                       "oldest_in_doubt_at": None}
 
 
 # -- help ----------------------------------------------------------------------------------------

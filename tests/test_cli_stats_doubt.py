@@ -1,0 +1,28 @@
+"""``stats --json`` and its rows carry what the runbook alerts on: the pending calls whose owner is
+alive and gone, the calls in doubt and the oldest of them, as the text and Prometheus outputs do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.cli_support import invoke, leave_pending, pending_with_live_owner, seed
+
+
+def test_stats_json_tells_a_running_call_from_one_in_doubt(tmp_path: Path) -> None:
+    db = tmp_path / "j.db"
+    seed(db)  # call-timeout is unknown
+    leave_pending(db, "call-orphan")
+    with pending_with_live_owner(db, "call-running"):
+        shown = invoke("journal", "stats", "--db", str(db), "--json")
+        rows = invoke("journal", "stats", "--db", str(db), "--nl")
+    assert shown.exit_code == 0, shown.output
+    counted = json.loads(shown.stdout)
+    assert counted["by_status"]["pending"] == 2
+    assert (counted["pending_owner_alive"], counted["pending_owner_gone"]) == (1, 1)
+    assert counted["calls_in_doubt"] == 2  # call-timeout (unknown) and call-orphan; not call-running
+    # The unknown call of the seed is older than the orphan: it is the oldest in doubt.
+    assert counted["oldest_in_doubt_at"] == counted["oldest_unknown_at"]
+    by_name = {(r["group"], r["name"]): r for r in map(json.loads, rows.stdout.splitlines())}
+    assert by_name[("doubt", "in_doubt")]["count"] == 2
+    assert by_name[("owner", "pending_owner_alive")]["count"] == 1
