@@ -16,7 +16,7 @@ import click
 from guard.effect_guard import wrapped_chain
 from guard.reconcile import DEFAULT_CHECK_TIMEOUT, Check, ReconcileResult, reconciler_of
 from journal import open_journal
-from journal.reconcile import tools_without_calls
+from journal.reconcile import in_doubt, tools_without_calls
 
 from . import render
 from .options import TEXT, db_option, echo, echo_bytes, one_line
@@ -197,6 +197,8 @@ def reconcile(spec: str, tool: str | None, older_than: timedelta | None, dry_run
             click.echo(f"Note: the journal has no call of the tool {name!r}; its check was not used.", err=True)
         results: list[ReconcileResult] = j.reconcile(
             checks, tool=tool, older_than=older_than, dry_run=dry_run, timeout=timeout)
+        # The calls in doubt that --older-than left to the agent's own retry: said, not hidden.
+        younger = 0 if older_than is None else len(in_doubt(j, tool)) - len(in_doubt(j, tool, older_than))
     counts = {outcome: 0 for outcome in _MARK}
     for result in results:
         counts[result.outcome] += 1
@@ -209,7 +211,20 @@ def reconcile(spec: str, tool: str | None, older_than: timedelta | None, dry_run
             echo(_line(result))
     summary = ", ".join(f"{n} {_MARK[o]}" for o, n in counts.items() if n)
     said = f"{len(results)} call(s) in doubt: {summary}." if results else "No call in doubt."
+    if younger > 0:
+        past = f"older than {_age_text(older_than)}"
+        said = (f"{len(results)} call(s) in doubt {past}: {summary}." if results else f"No call in doubt {past}.")
+        said += (f" {younger} younger call(s) in doubt were left to the agent's own retry "
+                 "(without --older-than they are checked too).")
     click.echo(f"Dry run (nothing appended): {said}" if dry_run else said, err=as_json)
     if counts["error"]:
         sys.exit(1)
 
+
+def _age_text(age: timedelta | None) -> str:
+    """``--older-than`` as a person reads it: 10m, 2h, 3d, 90s."""
+    seconds = 0 if age is None else int(age.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tests.cli_support import invoke, leave_pending, pending_with_live_owner, seed
 
@@ -26,3 +27,16 @@ def test_stats_json_tells_a_running_call_from_one_in_doubt(tmp_path: Path) -> No
     by_name = {(r["group"], r["name"]): r for r in map(json.loads, rows.stdout.splitlines())}
     assert by_name[("doubt", "in_doubt")]["count"] == 2
     assert by_name[("owner", "pending_owner_alive")]["count"] == 1
+
+
+def test_reconcile_older_than_says_how_many_younger_calls_it_left(tmp_path: Path, monkeypatch: Any) -> None:
+    db = tmp_path / "j.db"
+    seed(db)  # call-timeout: unknown, just now
+    (tmp_path / "checks.py").write_text(
+        "from guard.reconcile import NotApplied\nCHECKS = {'charge': lambda call: NotApplied(evidence='none')}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    done = invoke("journal", "reconcile", "--with", "checks:CHECKS", "--older-than", "10m", "--db", str(db))
+    assert done.exit_code == 0, done.output
+    assert done.output.strip() == ("No call in doubt older than 10m. 1 younger call(s) in doubt were left to the "
+                                   "agent's own retry (without --older-than they are checked too).")
