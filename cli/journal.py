@@ -82,6 +82,11 @@ def _echo_lines(lines: list[str]) -> None:
 @click.option("--offset", type=click.IntRange(min=0), default=0,
               help="Skip the first N calls: the next page is --offset 50, then 100, ...")
 @click.option("--all", "every", is_flag=True, help="Every call that matches, however many (no --limit).")
+@click.option("--watch", is_flag=True,
+              help="Show the table again every --interval seconds until Ctrl-C (without --status: the calls in "
+                   "doubt, pending and unknown).")
+@click.option("--interval", type=click.FloatRange(min=0.1, max=3600), default=2.0, show_default=True,
+              help="Seconds between two tables of --watch.")
 @json_option
 @listing_options
 @db_option
@@ -96,6 +101,8 @@ def show(
     limit: int,
     offset: int,
     every: bool,
+    watch: bool,
+    interval: float,
     as_json: bool,
     as_csv: bool,
     as_tsv: bool,
@@ -131,6 +138,11 @@ def show(
     fmt = chosen_format(as_json=as_json, as_csv=as_csv, as_tsv=as_tsv, as_nl=as_nl, no_headers=no_headers)
     if every and ctx.get_parameter_source("limit") is not ParameterSource.DEFAULT:
         raise click.UsageError("--all shows every call; it cannot be combined with --limit")
+    if watch:
+        if fmt != "table":
+            raise click.UsageError("--watch shows the table again and again: it goes with no other output")
+        _watch(ctx, statuses or ("pending", "unknown"), interval)
+        return
     with open_journal(db, readonly=True, create=False) as j:
         # One more than asked for tells whether the list was cut at --limit; a larger --limit is all,
         # and a larger --offset is past them all (SQL takes neither beyond 64 bits).
@@ -140,6 +152,7 @@ def show(
         cut = not every and len(records) > limit
         records = records if every else records[:limit]
         states = j.owner_states(records)
+        unseen_tool = not records and tool is not None and not j.calls(tool=tool, limit=1)
         if fmt in ("json", "nl"):
             echo_bytes(*(render.dumps_line(render.call_json(r, states.get(r.call_id))) for r in records))
         elif fmt in ("csv", "tsv"):
@@ -148,11 +161,38 @@ def show(
     if fmt == "table":
         if not records:
             click.echo("No calls match." if not offset else f"No calls match past the first {offset}.", err=True)
+            if tool is not None and unseen_tool:
+                click.echo(f"The journal has no call of the tool {tool!r} at all: check its name "
+                           "(`airlock journal stats` lists the tools).", err=True)
         else:
             _echo_lines(render.calls_table(records, width=render.terminal_width(), colour=render.use_colour(),
                                            states=states, show_headers=not no_headers))
     if cut:
         click.echo(_cut_note(offset, len(records)), err=True)
+
+
+def _watch(ctx: click.Context, statuses: tuple[str, ...], interval: float) -> None:
+    """``show --watch``: the table of the calls in ``statuses`` again every ``interval`` seconds, the
+    screen cleared between two on a terminal; Ctrl-C ends it (exit 0: watching has no result)."""
+    import time
+
+    from guard.store import utc_now
+
+    clear = sys.stdout.isatty()
+    try:
+        while True:
+            ctx.invoke(show, statuses=statuses, tool=ctx.params["tool"], agent_id=ctx.params["agent_id"],
+                       since=ctx.params["since"], limit=ctx.params["limit"], offset=ctx.params["offset"],
+                       every=ctx.params["every"], watch=False, interval=interval, as_json=False, as_csv=False,
+                       as_tsv=False, as_nl=False, no_headers=ctx.params["no_headers"], db=ctx.params["db"],
+                       call_id=None)
+            stamp = f"-- {format_at(utc_now())}: {' or '.join(statuses)}, every {interval:g}s; Ctrl-C ends --"
+            echo(stamp)
+            time.sleep(interval)
+            if clear:
+                echo_bytes(b"\x1b[H\x1b[2J")
+    except KeyboardInterrupt:
+        click.echo("", err=True)
 
 
 def _refuse_list_flags(ctx: click.Context) -> None:

@@ -40,3 +40,40 @@ def test_reconcile_older_than_says_how_many_younger_calls_it_left(tmp_path: Path
     assert done.exit_code == 0, done.output
     assert done.output.strip() == ("No call in doubt older than 10m. 1 younger call(s) in doubt were left to the "
                                    "agent's own retry (without --older-than they are checked too).")
+
+
+def test_show_of_a_tool_never_seen_says_so(tmp_path: Path) -> None:
+    db = tmp_path / "j.db"
+    seed(db)
+    done = invoke("journal", "show", "--tool", "chrage", "--db", str(db))
+    assert done.exit_code == 0
+    assert "The journal has no call of the tool 'chrage' at all" in done.stderr
+    known = invoke("journal", "show", "--tool", "charge", "--status", "pending", "--db", str(db))
+    assert known.exit_code == 0 and "no call of the tool" not in known.stderr
+
+
+def test_show_watch_shows_the_queue_again_until_ctrl_c(tmp_path: Path) -> None:
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    db = tmp_path / "j.db"
+    seed(db)  # call-timeout is unknown: in the queue
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "journal", "show", "--watch", "--interval", "0.2",
+                             "--db", str(db)], cwd=root, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.stdout is not None
+    stamps = 0
+    while stamps < 2:  # two tables, however long a loaded machine takes to print them
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        assert line, proc.stderr.read() if proc.stderr else ""
+        if line.startswith("call-timeout"):
+            assert "unknown" in line
+        stamps += line.startswith("-- ")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in err
