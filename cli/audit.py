@@ -80,11 +80,12 @@ def keygen(output: Path, force: bool) -> None:
             output.unlink(missing_ok=True)
             raise click.ClickException(f"cannot write the key to {output}: {e.strerror or e}") from e
     echo(public)
-    click.echo(
-        f"Wrote the private key to {output} (mode 0600): keep it secret.\n"
-        f"The line above is the public key, which verifiers need: save it, e.g. echo {public} > {output}.pub",
-        err=True,
-    )
+    pub = output.with_suffix(".pub") if output.suffix else output.with_name(output.name + ".pub")
+    if sys.stdout.isatty():
+        where = f"The line above is the public key, which verifiers need: save it, e.g. echo {public} > {pub}"
+    else:
+        where = f"The public key ({public}) went to standard output: verifiers need it (--public-key)."
+    click.echo(f"Wrote the private key to {output} (mode 0600): keep it secret.\n{where}", err=True)
 
 
 def load_key(path: Path | None) -> SigningKey | None:

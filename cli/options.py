@@ -84,6 +84,19 @@ class Group(click.Group):
                 failed.show()
                 sys.exit(failed.exit_code)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The commands with the whole first sentence of each one's help, wrapped, never cut with "...": a
+        person chooses a command by it."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is None or command.hidden:
+                continue
+            rows.append((name, command.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
     def invoke(self, ctx: click.Context) -> Any:
         if sys.stdout is None:
             sys.stdout = ClosedStream()
