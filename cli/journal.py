@@ -398,8 +398,10 @@ def resolve(
 
 
 @journal.command()
-@click.option("--format", "fmt", type=click.Choice(("jsonl", "csv")), default="jsonl", show_default=True,
-              help="JSON Lines (one event a line) or CSV (a header row, JSON values as text).")
+@click.option("--nl", "as_nl", is_flag=True, help="JSON Lines, one event a line (the default).")
+@click.option("--csv", "as_csv", is_flag=True, help="CSV: a header row, JSON values as text.")
+@click.option("--format", "fmt", type=click.Choice(("jsonl", "csv")), default=None,
+              help="The same as --nl or --csv (jsonl or csv).")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True, allow_dash=True, path_type=Path),
               help="Write to this file instead of stdout ('-': stdout).")
 @click.option("--since", type=MOMENT, help="Only events at or after: ISO-8601, or an age like 10m, 2h, 3d.")
@@ -414,7 +416,9 @@ def resolve(
               help="Sign it: write OUTPUT.manifest.json beside --output, signed with this private key (keygen).")
 @db_option
 def export(
-    fmt: str,
+    as_nl: bool,
+    as_csv: bool,
+    fmt: str | None,
     output: Path | None,
     since: datetime | None,
     until: datetime | None,
@@ -437,8 +441,12 @@ def export(
         airlock journal export --since 2026-12-01 --redact arguments,value -o audit.jsonl
 
     \b
-        airlock journal export --format csv --tool charge > charges.csv
+        airlock journal export --csv --tool charge > charges.csv
     """
+    given = [f for f, on in (("jsonl", as_nl), ("csv", as_csv)) if on] + ([fmt] if fmt is not None else [])
+    if len(set(given)) > 1:
+        raise click.UsageError("--nl, --csv and --format choose one output: give one")
+    fmt = given[0] if given else "jsonl"
     if output == Path("."):  # click makes an empty --output the current directory
         raise click.BadParameter("is empty: name the file to write the export to", param_hint="'--output' / '-o'")
     if output == Path("-"):  # the usual name for stdout; a file named so is ./- in full

@@ -77,3 +77,15 @@ def test_show_watch_shows_the_queue_again_until_ctrl_c(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "Traceback" not in err
+
+
+def test_export_takes_the_flags_of_every_listing_and_keeps_format(tmp_path: Path) -> None:
+    db = tmp_path / "j.db"
+    seed(db)
+    by_flag = invoke("journal", "export", "--csv", "--db", str(db))
+    by_format = invoke("journal", "export", "--format", "csv", "--db", str(db))
+    assert by_flag.exit_code == 0 and by_flag.stdout == by_format.stdout and by_flag.stdout.startswith("seq,")
+    assert invoke("journal", "export", "--nl", "--db", str(db)).stdout == invoke(
+        "journal", "export", "--db", str(db)).stdout
+    both = invoke("journal", "export", "--nl", "--csv", "--db", str(db))
+    assert both.exit_code == 2 and "give one" in both.output
