@@ -58,3 +58,20 @@ def test_ctrl_c_exits_130_and_appends_nothing(tmp_path: Path) -> None:
     assert err.strip().splitlines()[-1] == "Interrupted: a write under way was rolled back."
     with SQLiteJournal(db) as j:
         assert j.count_events() == before and j.call("c1").status == "unknown"
+
+
+def test_a_read_tidies_the_empty_side_files_an_interrupted_reader_left(tmp_path: Path) -> None:
+    from tests.cli_support import invoke, seed
+
+    db = tmp_path / "j.db"
+    seed(db)
+    assert not (tmp_path / "j.db-wal").exists()
+    # What a reader interrupted before it closed leaves beside a journal that had none: a -wal that
+    # holds nothing, and a -shm.
+    (tmp_path / "j.db-wal").touch()
+    (tmp_path / "j.db-shm").write_bytes(b"\0" * 32768)
+    before = db.read_bytes()
+    shown = invoke("journal", "show", "--db", str(db), "--limit", "1")
+    assert shown.exit_code == 0
+    assert not (tmp_path / "j.db-wal").exists() and not (tmp_path / "j.db-shm").exists()
+    assert db.read_bytes() == before  # nothing copied into the file

@@ -121,9 +121,8 @@ class Connection:
         self._archive = schema.signature(file) if uri.endswith("immutable=1") else None
         if self._archive is None:
             self._check_room()
-        if self._first_open:  # whether reading makes the side files (see close)
-            sides = any(os.path.lexists(f"{file}{side}") for side in ("-wal", "-shm"))
-            self._tidy = None if sides or self._archive is not None else os.stat(file).st_ino
+        if self._first_open:  # whether reading makes the side files, or found them empty (see close)
+            self._tidy = None if _holds_writes(file) or self._archive is not None else os.stat(file).st_ino
         conn = self._connect(uri, uri=True)
         self._sync = _NORMAL
         return conn
@@ -434,3 +433,13 @@ class Connection:
 
     def _label(self) -> str:
         return str(self.path)
+
+
+def _holds_writes(file: str | os.PathLike[str]) -> bool:
+    """Whether the side files beside ``file`` may hold writes not yet in it: a ``-wal`` that is not
+    empty. An empty one (left by a reader that was interrupted before it closed, say) holds nothing,
+    so closing as the file's last connection, which removes it, copies nothing into the file."""
+    try:
+        return os.stat(f"{file}-wal").st_size > 0
+    except FileNotFoundError:
+        return False
