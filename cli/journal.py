@@ -26,7 +26,7 @@ from journal.projection import fold
 from journal.rows import unfaithful_json
 from journal.signing import SigningKey
 
-from . import approvals, archive, audit, prometheus, reconcile, render
+from . import approvals, archive, audit, console, prometheus, reconcile, render
 from .export import NotJsonLines, read_export, write_events, write_file
 from .listing import STATS_COLUMNS, chosen_format, delimited, listing_options, stats_rows
 from .options import (
@@ -752,3 +752,4 @@ journal.add_command(archive.archive)
 journal.add_command(approvals.approvals)
 journal.add_command(approvals.approve)
 journal.add_command(approvals.deny)
+journal.add_command(console.serve)
