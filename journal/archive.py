@@ -20,6 +20,11 @@ in one transaction and keeps a copy of every archived call's row.
 
 The fold of the calls whose projection moved past the start is the guard's own ``apply``
 (:func:`fold_onto`).
+
+Requests for approval (:mod:`journal.approvals`): an archive never takes an event of a request
+still open or approved. :func:`plan_archive` ends the archive before the first of them, and each
+step's transaction refuses one that would take such an event, and keeps the requests as of its
+last event in ``approvals_archived`` (their rows stay in ``approvals``).
 """
 
 
@@ -35,6 +40,7 @@ import orjson
 
 from guard.store import CallRecord
 
+from . import approvals
 from .archive_schema import record_of
 from .chain import GENESIS
 from .errors import JournalError
@@ -118,12 +124,17 @@ def plan_archive(journal: Archiving, before: datetime) -> ArchivePlan | None:
 
     The log is a chain: only a prefix of it can move. It ends before the first event at or after
     ``before`` (events are stamped before they are appended, so a later ``seq`` may carry an
-    earlier ``at``: such an event waits for the next archive), and before the log's last event.
+    earlier ``at``: such an event waits for the next archive), before the log's last event, and
+    before the first event of any request for approval still open or approved: an open request is
+    never archived away (its events stay in the log until it is decided, expires or is consumed).
     """
     base_seq, base_hash = journal.archived_head()
     head_seq, _ = journal.head()
     later = next(iter(journal.events(since=before, after_seq=base_seq)), None)
     last_seq = min(head_seq - 1, later.seq - 1 if later is not None else head_seq)
+    live = approvals.first_live_seq(journal)
+    if live is not None:
+        last_seq = min(last_seq, live - 1)
     if last_seq <= base_seq:
         return None
     last = next(iter(journal.events(after_seq=last_seq - 1)), None)
@@ -349,6 +360,7 @@ def sqlite_commit(conn: sqlite3.Connection, plan: ArchivePlan, file: str, archiv
             raise JournalError(f"the log starts at seq {plan.base_seq + 1}, but no archive to {file} of seq "
                                f"{whole.base_seq + 1} to {whole.last_seq} is under way there; archive again")
     _keep_as_of(conn, plan.base_seq, plan.last_seq)
+    approvals.keep_as_of(conn, "?", plan.base_seq, plan.last_seq)
     conn.execute("DROP TRIGGER events_no_delete")
     removed = conn.execute("DELETE FROM events WHERE seq <= ?", (plan.last_seq,)).rowcount
     conn.execute(schema.NO_DELETE_TRIGGER)
@@ -425,6 +437,7 @@ def postgres_commit(conn: psycopg.Connection[tuple[Any, ...]], plan: ArchivePlan
     base = postgres_archived_head(conn)
     if base != (plan.base_seq, plan.base_hash):
         raise JournalError(f"another archive moved the start of the log to seq {base[0]} meanwhile; archive again")
+    approvals.keep_as_of(conn, "%s", plan.base_seq, plan.last_seq)
     conn.execute(_sql(_COPY_SETTLED, "%s").encode(), (plan.base_seq, plan.last_seq))
     archived = conn.execute(_sql(_MOVED_SNAPSHOT, "%s").encode(), (plan.last_seq,)).fetchall()
     moved = fold_onto([_row(*row) for row in archived],

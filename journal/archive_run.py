@@ -20,7 +20,7 @@ import orjson
 
 from guard.store import CallRecord
 
-from . import archive, verifying
+from . import approvals, archive, verifying
 from .archive import ArchivePlan, ArchiveStore
 from .errors import JournalError
 from .events import VerifyReport
@@ -155,7 +155,7 @@ def _checked(conn: sqlite3.Connection) -> VerifyReport:
     problem = _projection_problem(conn, start[0], chain.last_seq)
     if problem is not None:
         chain.fail(*problem)
-    return chain.report()
+    return approvals.checked(conn, "?", chain.report())
 
 
 def _by_call(rows: Iterator[tuple[Any, ...]]) -> Iterator[tuple[str, list[tuple[Any, ...]]]]:

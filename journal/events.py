@@ -119,7 +119,8 @@ class JournalEvent:
 @dataclass(frozen=True, slots=True)
 class JournalStats:
     """Counts of calls by status and tool, and when the oldest pending and unknown calls entered
-    that status (None when there is none)."""
+    that status (None when there is none); how many requests for approval are open (one past its
+    ``expires_at`` counts until it is marked expired), and when the oldest of them was asked."""
 
     calls: int
     events: int
@@ -127,6 +128,8 @@ class JournalStats:
     by_tool: dict[str, int]
     oldest_pending_at: datetime | None
     oldest_unknown_at: datetime | None
+    approvals_open: int = 0
+    oldest_open_approval_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
+from guard.approvals import ApprovalRequest, ApprovalStep, T
 from guard.leases import LeaseStore
 from guard.reconcile import DEFAULT_CHECK_TIMEOUT, Check, ReconcileResult
 from guard.store import CallRecord, EffectStore
@@ -42,7 +43,8 @@ class EventImporter(Protocol):
 @runtime_checkable
 class Journal(EffectStore, LeaseStore, ArchiveStore, EventImporter, Protocol):
     """A durable :class:`~guard.store.EffectStore` (``begin``, ``append``, ``get``) that keeps
-    leases (:class:`~guard.leases.LeaseStore`, ``owner_states`` among them) and archives its log
+    leases (:class:`~guard.leases.LeaseStore`, ``owner_states`` among them), requests for approval
+    (:class:`~guard.approvals.ApprovalStore`) and archives its log
     (:class:`~journal.archive.ArchiveStore`), with the operator's reads, checks and repairs. Use it
     as a context manager: leaving it closes it."""
 
@@ -164,6 +166,24 @@ class Journal(EffectStore, LeaseStore, ArchiveStore, EventImporter, Protocol):
         """Settle a ``pending`` or ``unknown`` call as the backend confirmed it: append ``committed``
         (``applied``, with ``value`` as JSON text) or ``released`` by ``operator:NAME``. Raises
         :class:`~journal.errors.CallNotFound` or :class:`~journal.errors.NotResolvable`, changing nothing."""
+        ...
+
+    # -- approvals (see guard.approvals) ---------------------------------------------------------
+
+    def approval_step(self, call_id: str, step: ApprovalStep[T]) -> T:
+        """In one write transaction that no other write of the call comes between: the call's
+        record and its latest request, the events ``step`` chooses from them appended in order (each
+        folded into the calls and the requests, durable as ``begin``'s ``pending`` is); returns what
+        ``step`` returned. What ``step`` raises is raised, and nothing is appended."""
+        ...
+
+    def approval_requests(
+        self, *, call_id: str | None = None, request_id: str | None = None, status: str | None = None,
+        tool: str | None = None, limit: int | None = None, offset: int = 0,
+    ) -> list[ApprovalRequest]:
+        """The requests for approval, newest first, filtered by call, request id, status (``open``,
+        ``approved``, ``denied``, ``expired``, ``consumed``) and tool; at most ``limit`` (None: all)
+        after the first ``offset``."""
         ...
 
     # -- settling doubt ------------------------------------------------------------------------

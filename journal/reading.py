@@ -31,6 +31,8 @@ _STATS = (
     "FROM calls GROUP BY status, tool",
     # seq is gapless from 1 (archives included), so the last one counts the events without a scan.
     "SELECT coalesce(max(seq), 0) FROM events",
+    # The requests for approval still open, and when the oldest of them was asked.
+    "SELECT count(*), min(requested_at) FROM approvals WHERE status = 'open'",
 )
 
 
@@ -175,18 +177,21 @@ class LogReads:
     def stats(self) -> JournalStats:
         """Counts of calls by status and by tool, the number of events, and when the oldest pending
         and unknown calls entered that status; all of one moment, however many writers there are."""
-        by_status, by_tool, oldest, events = self._counts()
+        by_status, by_tool, oldest, events, (approvals_open, oldest_open) = self._counts()
         return JournalStats(
             calls=sum(by_status.values()), events=events, by_status=dict(sorted(by_status.items())),
             by_tool=dict(sorted(by_tool.items())),
             oldest_pending_at=self._decoded(parse_at, oldest["pending"]) if "pending" in oldest else None,
             oldest_unknown_at=self._decoded(parse_at, oldest["unknown"]) if "unknown" in oldest else None,
+            approvals_open=approvals_open,
+            oldest_open_approval_at=self._decoded(parse_at, oldest_open) if oldest_open is not None else None,
         )
 
-    def _counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, str], int]:
+    def _counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, str], int, tuple[int, str | None]]:
         """What :meth:`stats` reports, as stored: the calls by status, by tool, the stored time the
-        oldest pending and unknown call entered its status, and the number of events."""
-        groups, events = self._snapshot("read the stats", _STATS)
+        oldest pending and unknown call entered its status, the number of events, and the number
+        of open requests for approval with the stored time the oldest was asked."""
+        groups, events, open_requests = self._snapshot("read the stats", _STATS)
         by_status: dict[str, int] = {}
         by_tool: dict[str, int] = {}
         oldest: dict[str, str] = {}
@@ -196,7 +201,8 @@ class LogReads:
             if status in ("pending", "unknown") and since is not None and (
                     status not in oldest or since < oldest[status]):
                 oldest[status] = since
-        return by_status, by_tool, oldest, int(events[0][0])
+        opened = open_requests[0] if open_requests else (0, None)
+        return by_status, by_tool, oldest, int(events[0][0]), (int(opened[0]), opened[1])
 
     def _decoded(self, decode: Callable[[Any], T], row: Any) -> T:
         raise NotImplementedError

@@ -6,9 +6,10 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from guard.store import CallRecord
+from guard.approvals import approval_event
+from guard.store import CallRecord, EffectEvent
 
-from .. import archive, verifying
+from .. import approvals, archive, verifying
 from ..chain import ChainCheck
 from ..errors import JournalError
 from ..events import JournalEvent, VerifyReport
@@ -73,9 +74,11 @@ class Checking(Connection):
             by_call = streamed("airlock_verify_by_call", _BY_CALL)
             return folded_onto(_seeds(conn), by_call) if start[0] else fold_calls(by_call)
 
-        # The chain first, holding one event at a time; then the head row; then each call.
-        return verifying.verify_log(streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq"), records, calls,
-                                    start=start, between=head_row, advance=advance)
+        # The chain first, holding one event at a time; then the head row; then each call; then
+        # each request for approval.
+        report = verifying.verify_log(streamed("airlock_verify", f"{_EVENT_SELECT} ORDER BY seq"), records, calls,
+                                      start=start, between=head_row, advance=advance)
+        return approvals.checked(conn, "%s", report)
 
     def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
         """Rebuild the projection from the log (writers wait meanwhile); returns the number of calls.
@@ -90,6 +93,7 @@ class Checking(Connection):
                                    "(rebuild needs DELETE on calls, an operator's grant)")
             conn.execute(_LOCK_HEAD).fetchone()
             calls = self._rebuilt_by_call(conn, advance)
+            approvals.rebuild(conn, "%s")  # the requests, folded from the log as the calls are
             # Writers that read the old projection must read again: their compare-and-set now fails.
             conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
             return calls
@@ -146,17 +150,21 @@ class Checking(Connection):
             if seq or conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
                 raise JournalError(f"the destination {self.name} is not empty; copy only into a new journal")
             folded: dict[str, CallRecord] = {}
+            requests: list[tuple[int, EffectEvent]] = []  # the events that may change a request
             last: JournalEvent | None = None
             with conn.cursor().copy(f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN".encode()) as copy:
                 for event in events:
                     copy.write_row(event_row(event))
                     fold_into(folded, event)
+                    if event.kind in approvals.MAY_CHANGE_KINDS and approval_event(effect := event.to_effect_event()):
+                        requests.append((event.seq, effect))
                     last = event
             # The projection is the fold of these events alone: rows left from before (with no events
             # of their own) would make calls the copied log never had.
             conn.execute(b"DELETE FROM calls")
             with conn.cursor() as cur:
                 cur.executemany(_UPSERT_CALL, [call_row(r) for r in folded.values()])
+            approvals.import_fold(conn, "%s", requests)
             if last is not None:
                 conn.execute(_SET_HEAD, (last.seq, last.hash))
             conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")

@@ -11,7 +11,9 @@ that the schema its statements reach is that first one.
 - ``calls``: the projection, one row per call, written in the same transaction as its event;
 - ``chain_head``: one row with the last ``seq`` and ``hash`` (and a ``generation`` that ``rebuild``
   moves); every append updates it, so its row lock makes ``seq`` gapless and the chain unbroken
-  under any number of writers.
+  under any number of writers;
+- ``approvals``: the projection of requests for approval, one row per request (see
+  :mod:`journal.approvals`), and ``approvals_archived``, the requests as of an archive's head.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ __all__ = [
 
 APPLICATION = "airlock-journal"
 
-TABLES = ("airlock_journal_meta", "events", "calls", "chain_head", "leases", "archives", "calls_archived")
+TABLES = ("airlock_journal_meta", "events", "calls", "chain_head", "leases", "archives", "calls_archived", "approvals",
+          "approvals_archived")
 
 _V1 = (
     """
@@ -198,9 +201,42 @@ _V4_ARCHIVES = (
     "REVOKE ALL ON FUNCTION airlock_archive_events(bigint, bigint, text, text, text) FROM PUBLIC",
 )
 
-MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_LEASES, 3: _V3_CALLS_BY_KEY, 4: _V4_ARCHIVES}
+_V5_APPROVALS = (
+    # Approvals that wait for a human (guard.approvals): the log takes their five kinds of event.
+    # The CHECK is made again, wider: added NOT VALID (no scan under the ACCESS EXCLUSIVE lock the
+    # ALTER takes), then validated (a scan that lets reads go on).
+    "ALTER TABLE events DROP CONSTRAINT IF EXISTS events_kind_check",
+    "ALTER TABLE events ADD CONSTRAINT events_kind_check CHECK (kind IN ('pending', 'committed', 'unknown', "
+    "'released', 'replayed', 'refused', 'approval_requested', 'approved', 'denied', 'expired', "
+    "'approval_consumed')) NOT VALID",
+    "ALTER TABLE events VALIDATE CONSTRAINT events_kind_check",
+    # The projection of requests beside the calls (see journal.approvals): a row per request, the
+    # whole request as canonical JSON text, written in the transaction of each of its events.
+    """
+    CREATE TABLE approvals (
+        request_id text PRIMARY KEY,
+        call_id text NOT NULL,
+        tool text NOT NULL,
+        status text NOT NULL,
+        requested_at text NOT NULL,
+        first_seq bigint NOT NULL,
+        last_seq bigint NOT NULL,
+        request text NOT NULL
+    )
+    """,
+    "CREATE INDEX approvals_call_id ON approvals (call_id, first_seq)",
+    "CREATE INDEX approvals_status ON approvals (status, first_seq)",
+    "CREATE INDEX approvals_tool ON approvals (tool, first_seq)",
+    "CREATE INDEX approvals_first_seq ON approvals (first_seq)",
+    # The requests as of the last archive's head, which the rest of the log is folded onto.
+    "CREATE TABLE approvals_archived (request_id text PRIMARY KEY, request text NOT NULL)",
+)
+
+MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_LEASES, 3: _V3_CALLS_BY_KEY, 4: _V4_ARCHIVES,
+                                          5: _V5_APPROVALS}
 SCHEMA_VERSION = max(MIGRATIONS)
-_SINCE = {"leases": 2, "archives": 4, "calls_archived": 4}  # a table that came with a later version than the first
+# A table that came with a later version than the first.
+_SINCE = {"leases": 2, "archives": 4, "calls_archived": 4, "approvals": 5, "approvals_archived": 5}
 
 
 def tables_of(version: int) -> tuple[str, ...]:

@@ -12,10 +12,13 @@ from typing import Any
 import orjson
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg.sql import SQL, Identifier
 
+from guard.approvals import ApprovalRequest, ApprovalStep, T, approval_event
 from guard.canonical import NotCanonical
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at
 
+from .. import approvals
 from ..chain import GENESIS
 from ..errors import JournalError, StoreBusy, unstorable
 from ..events import JournalEvent
@@ -31,6 +34,7 @@ from ..rows import (
     stamp,
 )
 from .connection import Conn, _ConnectionLost, _NoServerAppend
+from .deadline import DeadlineConnection
 from .heads import _Head, _InDoubt, _Seen, _unique_at, _uniquely_timed
 from .leases import Leases
 from .server_append import _CALL_APPEND_FN, _CALL_FIELDS
@@ -47,6 +51,11 @@ from .sql import (
 )
 
 _NO_RECORD_NEEDED = frozenset({"refused", "replayed"})  # they never change a call's record
+
+# The channel a decision on a request is told on (NOTIFY, delivered when its transaction commits),
+# with the journal's schema and the call's id as a JSON array: see Writes.wait_for_decision.
+APPROVALS_CHANNEL = "airlock_approvals"
+_DECISIONS = frozenset({"approved", "denied", "expired"})
 
 _SKIP_AFTER_CONFLICT = 8  # writes that wait for the lock after another writer moved the head
 
@@ -104,6 +113,11 @@ class Writes(Leases, Resolving):
             record = updated
         else:
             conn.execute(_APPEND, (*row, stored.seq, stored.hash))
+        if event.call_id is not None and approval_event(event):
+            approvals.fold_event(conn, "%s", event, stored.seq)  # the projection of requests too
+            if event.kind in _DECISIONS:  # wakes the calls that wait for it, once this commits
+                conn.execute(b"SELECT pg_notify(%s, %s)",
+                             (APPROVALS_CHANNEL, orjson.dumps([self.schema, event.call_id]).decode()))
         return stored, _Head(stored.seq, stored.hash, head.generation), record
 
     def _locked_write(self, doing: str, call_id: str | None,
@@ -338,6 +352,8 @@ class Writes(Leases, Resolving):
                     record, check = None, "absent"
             for _ in range(2):
                 decision = _uniquely_timed(decide(record))
+                if approval_event(decision.event):
+                    break  # an event of a request: appended the locked way, which folds it into the requests
                 try:
                     stored, seen = self._try_append(head, record, decision.event, doing, check=check,
                                                     last_hash=last_hash)
@@ -360,9 +376,15 @@ class Writes(Leases, Resolving):
             decisions[:] = [_uniquely_timed(decide(record))]
             return decisions[0].event
 
+        def choose_on_server(record: CallRecord | None) -> EffectEvent:
+            event = choose(record)
+            if approval_event(event):
+                raise _NoServerAppend()  # nothing sent: the locked way folds it into the requests
+            return event
+
         if doubt is None and self._server_append:
             with contextlib.suppress(_NoServerAppend):
-                self._append_on_server(doing, choose, *self._known_record(call_id), check=True)
+                self._append_on_server(doing, choose_on_server, *self._known_record(call_id), check=True)
                 return decisions[0]
         if self._locked_write(doing, call_id, choose, doubt) is doubt and doubted is not None:
             return doubted  # the cut-off append had committed: that is the decision recorded
@@ -383,6 +405,8 @@ class Writes(Leases, Resolving):
         doing = f"record the {event.kind} event"
         self._check_writable(doing)
         event = _unique_at(event)
+        if event.call_id is not None and approval_event(event):
+            return self._locked_write(doing, event.call_id, lambda record: event)  # folded into the requests
         doubt: JournalEvent | None = None
         recent = self._recent
         if recent is not None and self._skip_cas <= 0:
@@ -458,3 +482,85 @@ class Writes(Leases, Resolving):
 
         self._recent = None
         return self._write(doing, work, pipeline=False)
+
+    # -- approvals (see guard.approvals and journal.approvals) ----------------------------------
+
+    def approval_step(self, call_id: str, step: ApprovalStep[T]) -> T:
+        """In one transaction that holds the chain's head (as every append does, so no ``begin``
+        or other step of any replica comes between): read the call's record as ``begin``'s locked
+        way does and its latest request, let ``step`` choose the events, and append them in order,
+        each folded into the calls and the requests, committed synchronously (a consumed grant and
+        the ``pending`` it lets through are durable before this returns). What ``step`` raises is
+        raised, and nothing is appended."""
+        doing = "record a step of a request for approval"
+        self._check_writable(doing)
+
+        def work(conn: Conn) -> tuple[T, _Head | None, CallRecord | None, str | None]:
+            head, record = self._lock_and_read(conn, call_id)
+            events, result = step(record, approvals.latest_request(conn, "%s", call_id))
+            last_hash: str | None = None
+            moved: _Head | None = None
+            for event in events:
+                event = _unique_at(event)
+                if event.call_id == call_id:
+                    stored, head, record = self._append_locked(conn, head, record, event)
+                    last_hash = stored.hash if record is not None and record.last_seq == stored.seq else last_hash
+                else:
+                    _, other = self._lock_and_read(conn, event.call_id)
+                    stored, head, _ = self._append_locked(conn, head, other, event)
+                moved = head
+            return result, moved, record, last_hash
+
+        self._recent = None
+        try:
+            result, head, record, last_hash = self._write(doing, work, pipeline=False)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(self.name, e) from e
+        if head is not None:
+            self._floor = max(self._floor, head.seq)
+            self._remember(head, call_id, record, True, last_hash)
+        return result
+
+    def approval_requests(
+        self, *, call_id: str | None = None, request_id: str | None = None, status: str | None = None,
+        tool: str | None = None, limit: int | None = None, offset: int = 0,
+    ) -> list[ApprovalRequest]:
+        """The requests for approval, newest first (by the seq they were asked at), filtered by
+        call, request id, status and tool; at most ``limit`` (None: all) after the first ``offset``."""
+        sql, params = approvals.requests("%s", False, "ALL", call_id=call_id, request_id=request_id, status=status,
+                                         tool=tool, limit=limit, offset=offset)
+        return [self._decoded(approvals.request_from_row, row)
+                for row in self._read("read the requests for approval", sql, params)]
+
+    def wait_for_decision(self, call_id: str, seconds: float) -> bool:
+        """Block up to ``seconds`` until a decision on a request of ``call_id`` (``approved``,
+        ``denied`` or ``expired``) is committed, told by PostgreSQL's ``NOTIFY`` on a connection of
+        this wait's own (``LISTEN``); returns True when one was told, False after ``seconds`` or
+        when the call's latest request was no longer open as the wait began (a decision made before
+        the ``LISTEN``). See :class:`guard.approvals.ApprovalWaiter`."""
+        if seconds <= 0:
+            return False
+        doing = "wait for a decision on a request for approval"
+        conn = self._connect_direct(doing)
+        try:
+            conn.execute(b"SET application_name = 'airlock-journal approval waiter'")
+            conn.execute(SQL("LISTEN {}").format(Identifier(APPROVALS_CHANNEL)))
+            # After the LISTEN: a decision committed from here on is told; one before it is seen here.
+            latest = conn.execute(SQL("SELECT status FROM {}.approvals WHERE call_id = %s ORDER BY first_seq DESC "
+                                      "LIMIT 1").format(Identifier(self.schema)), (call_id,)).fetchone()
+            if latest is not None and latest[0] != "open":
+                return False
+            if isinstance(conn, DeadlineConnection):
+                conn.set_deadline(None)  # the wait for a notification is bounded by its own timeout
+            wanted = [self.schema, call_id]
+            deadline = time.monotonic() + seconds
+            while (left := deadline - time.monotonic()) > 0:
+                for notice in conn.notifies(timeout=left, stop_after=1):
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        if orjson.loads(notice.payload) == wanted:
+                            return True
+            return False
+        except psycopg.Error as e:
+            raise self._translate(e, doing) from e
+        finally:
+            conn.close()

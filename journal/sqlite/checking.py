@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from guard.store import CallRecord
+from guard.approvals import approval_event
+from guard.store import CallRecord, EffectEvent
 
-from .. import archive, sqlite_verify
+from .. import approvals, archive, sqlite_verify
 from ..chain import GENESIS
 from ..errors import JournalDamaged, JournalError
 from ..events import JournalEvent, VerifyReport
@@ -141,13 +142,29 @@ class Checking(Connection):
     def _verified_log(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
         """The report of :meth:`verify`, in one pass over what ``conn`` sees (in a transaction of
         the caller's: a read snapshot, or a write not yet committed), one event and one call at a time."""
-        return sqlite_verify.verify_snapshot(conn, advance)
+        return approvals.checked(conn, "?", sqlite_verify.verify_snapshot(conn, advance))
+
+    @staticmethod
+    def _requests_checked(conn: sqlite3.Connection, report: VerifyReport) -> VerifyReport:
+        """``report``, with the approvals projection checked against the log in a snapshot of its own."""
+        conn.execute("BEGIN")
+        try:
+            return approvals.checked(conn, "?", report)
+        finally:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
 
     def rebuild(self, *, advance: Callable[[int], None] | None = None) -> int:
         """Rebuild the projection from the log through the fold, in one transaction; returns the
         number of calls. ``advance`` is told of each stretch of events folded."""
 
         def step(conn: sqlite3.Connection) -> int:
+            calls = calls_rebuilt(conn)
+            approvals.rebuild(conn, "?")  # the requests, folded from the log as the calls are
+            return calls
+
+        def calls_rebuilt(conn: sqlite3.Connection) -> int:
+            self._remake_indexes(conn)
             if archive.sqlite_archived_head(conn)[0]:
                 changed = archived_changes(conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
                                            archive.SQLiteSnapshot(conn), self._decoded, advance)
@@ -215,10 +232,13 @@ class Checking(Connection):
                       check: Callable[[VerifyReport], None] | None = None) -> int:
         """See :meth:`journal.protocol.EventImporter.import_events` (used by :mod:`journal.copy`)."""
         folded: dict[str, CallRecord] = {}
+        requests: list[tuple[int, EffectEvent]] = []  # the events that may change a request
 
         def folding() -> Iterator[tuple[Any, ...]]:
             for event in events:
                 fold_into(folded, event)
+                if event.kind in approvals.MAY_CHANGE_KINDS and approval_event(effect := event.to_effect_event()):
+                    requests.append((event.seq, effect))
                 yield event_row(event)
 
         def step(conn: sqlite3.Connection) -> int:
@@ -227,6 +247,7 @@ class Checking(Connection):
             conn.executemany(_INSERT_EVENT, folding())
             conn.execute("DELETE FROM calls")
             conn.executemany(_UPSERT_CALL, (call_row(r) for r in folded.values()))
+            approvals.import_fold(conn, "?", requests)
             calls = len(folded)
             folded.clear()  # the check folds the log again: one fold in memory at a time
             if check is not None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from .. import archive
+from .. import approvals, archive
 from ..chain import GENESIS
 from ..errors import (
     JournalError,
@@ -50,7 +50,9 @@ def _event_filter(
 _TOOLS_COUNTED_APART = 16
 
 
-def _counted(conn: sqlite3.Connection) -> tuple[dict[str, int], dict[str, int], dict[str, str], int]:
+def _counted(
+    conn: sqlite3.Connection,
+) -> tuple[dict[str, int], dict[str, int], dict[str, str], int, tuple[int, str | None]]:
     """:meth:`LogReads._counts` in one read transaction of ``conn``, without grouping the calls in
     SQLite's sorter, which takes most of the time of a GROUP BY over many calls: the distinct
     tools are read, then one scan counts each status and each tool. A status the schema does not
@@ -79,7 +81,7 @@ def _counted(conn: sqlite3.Connection) -> tuple[dict[str, int], dict[str, int], 
         else:
             by_tool = dict(conn.execute("SELECT tool, count(*) FROM calls GROUP BY tool").fetchall())
         events = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
-        return by_status, by_tool, oldest, int(events)
+        return by_status, by_tool, oldest, int(events), approvals.stats(conn, "?")
     finally:
         if conn.in_transaction:
             conn.execute("COMMIT")
@@ -88,7 +90,7 @@ def _counted(conn: sqlite3.Connection) -> tuple[dict[str, int], dict[str, int], 
 class Reads(Connection, LogReads):
     """The operator's reads: calls, events, exports, counts and stats, and archiving."""
 
-    def _counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, str], int]:
+    def _counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, str], int, tuple[int, str | None]]:
         return self._read(_counted)
 
     def export_lines(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sqlite3
 import stat
 import threading
@@ -18,7 +19,10 @@ from urllib.parse import quote
 
 import sqlite_utils
 
+from guard.approvals import APPROVAL_KINDS
+
 from .. import archive_schema
+from ..errors import JournalError
 from . import lease_clock
 
 __all__ = [
@@ -182,15 +186,59 @@ def _v8_lease_clock(conn: sqlite3.Connection) -> None:
     lease_clock.adopt(conn)
 
 
+# The kinds of event of version 9 on: the approvals' own beside the calls'.
+KINDS_V9 = KINDS + APPROVAL_KINDS
+_KIND_CHECK = re.compile(r"CHECK \(kind IN \(([^()]*)\)\)")
+
+
+def _v9_approvals(conn: sqlite3.Connection) -> None:
+    """Version 9: approvals that wait for a human (guard.approvals).
+
+    The log takes the approvals' five kinds of event. SQLite cannot alter a CHECK constraint: the
+    events table's text in the schema is edited in place (``PRAGMA writable_schema``), as SQLite's
+    documentation allows for a constraint that only gets looser (every row already meets the wider
+    one): the table, its rows, indexes and append-only triggers stay as they are, and no event is
+    copied. The schema's version cookie is moved on in the same transaction, so every other
+    connection reads the new text before its next statement. Then the projection of requests
+    (journal.approvals) and the requests kept as of an archive's head."""
+    row = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'events'").fetchone()
+    found = _KIND_CHECK.findall(row[0]) if row is not None else []
+    if len(found) != 1:
+        raise JournalError("the journal's events table is not the one airlock-journal made (its CHECK on kind "
+                           "cannot be found); it was left unchanged")
+    wide = f"CHECK (kind IN ({_kinds(KINDS_V9)}))"
+    if wide not in row[0]:  # made again harmlessly on a journal whose version was set back by hand
+        cookie = conn.execute("PRAGMA schema_version").fetchone()[0]
+        conn.execute("PRAGMA writable_schema = ON")
+        try:
+            conn.execute("UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = 'events'",
+                         (_KIND_CHECK.sub(wide, row[0]),))
+            conn.execute(f"PRAGMA schema_version = {int(cookie) + 1}")
+        finally:
+            conn.execute("PRAGMA writable_schema = OFF")
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS approvals (request_id TEXT PRIMARY KEY, call_id TEXT NOT NULL, "
+        "tool TEXT NOT NULL, status TEXT NOT NULL, requested_at TEXT NOT NULL, first_seq INTEGER NOT NULL, "
+        "last_seq INTEGER NOT NULL, request TEXT NOT NULL)"
+    )
+    conn.execute("CREATE INDEX IF NOT EXISTS approvals_call_id ON approvals (call_id, first_seq)")
+    conn.execute("CREATE INDEX IF NOT EXISTS approvals_status ON approvals (status, first_seq)")
+    conn.execute("CREATE INDEX IF NOT EXISTS approvals_tool ON approvals (tool, first_seq)")
+    conn.execute("CREATE INDEX IF NOT EXISTS approvals_first_seq ON approvals (first_seq)")
+    conn.execute("CREATE TABLE IF NOT EXISTS approvals_archived (request_id TEXT PRIMARY KEY, request TEXT NOT NULL) "
+                 "WITHOUT ROWID")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _create_v1, 2: _v2_no_replace, 3: _v3_updated_at_ascending, 4: _v4_leases, 5: _v5_calls_by_key,
-    6: _v6_archives, 7: archive_schema.sqlite_v7, 8: _v8_lease_clock,
+    6: _v6_archives, 7: archive_schema.sqlite_v7, 8: _v8_lease_clock, 9: _v9_approvals,
 }
 LATEST = max(MIGRATIONS)
 # The oldest version a read-only open can read as it is (versions 2 and 3 changed no table; a
 # journal without the leases of version 4 is read with the host-and-pid test of a call's owner;
 # version 5 added an index only; a journal without the archives of version 6 has none; one before
-# version 8 has its leases on the wall clock).
+# version 8 has its leases on the wall clock; one before version 9 has no approvals, nor any of
+# their events, which its CHECK on kind refuses).
 READABLE_FROM = 1
 
 

@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from guard.approvals import ApprovalRequest, ApprovalStep, T, approval_event
 from guard.canonical import NotCanonical
 from guard.leases import OwnerState
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply
 
-from .. import archive
+from .. import approvals, archive
 from ..chain import GENESIS, compute_hash
 from ..errors import (
     JournalError,
@@ -214,6 +215,51 @@ class Writes(GroupCommit, Resolving):
 
         return self._write(_FULL if self.durability == "full" else _NORMAL, step)
 
+    # -- approvals (see guard.approvals and journal.approvals) ------------------------------------
+
+    def approval_step(self, call_id: str, step: ApprovalStep[T]) -> T:
+        """In one write transaction, at the journal's durability (a consumed grant and the
+        ``pending`` it lets through are on disk before this returns, at ``durability="full"``):
+        read the call's record as ``begin`` does and its latest request, let ``step`` choose the
+        events, and append them in order, each folded into the calls and the requests. What
+        ``step`` raises is raised, and nothing is appended. The write lock keeps every other
+        write of the journal (another step, a ``begin``), in any thread or process, out meanwhile."""
+
+        def work(conn: sqlite3.Connection) -> T:
+            head, record = self._head_and_record(conn, call_id)
+            events, result = step(record, approvals.latest_request(conn, "?", call_id))
+            for event in events:
+                own = record if event.call_id == call_id else self._head_and_record(conn, event.call_id)[1]
+                seq, _, digest = self._append(conn, event, own, head)
+                head = (seq, digest)
+                if event.call_id == call_id:
+                    record = apply(record, event, seq)
+            return result
+
+        try:
+            return self._write(_FULL if self.durability == "full" else _NORMAL, work)
+        except (UnicodeEncodeError, NotCanonical) as e:
+            raise unstorable(str(self.path), e) from e
+
+    def approval_requests(
+        self, *, call_id: str | None = None, request_id: str | None = None, status: str | None = None,
+        tool: str | None = None, limit: int | None = None, offset: int = 0,
+    ) -> list[ApprovalRequest]:
+        """The requests for approval, newest first (by the seq they were asked at), filtered by
+        call, request id, status and tool; at most ``limit`` (None: all) after the first ``offset``."""
+        sql, params = approvals.requests("?", True, "-1", call_id=call_id, request_id=request_id, status=status,
+                                         tool=tool, limit=limit, offset=offset)
+
+        def read(conn: sqlite3.Connection) -> list[tuple[str]]:
+            try:
+                return conn.execute(sql, params).fetchall()
+            except sqlite3.OperationalError as e:
+                if "no such table" in str(e):
+                    return []  # a journal of a version before approvals, read as it is
+                raise
+
+        return [self._decoded(approvals.request_from_row, row) for row in self._read(read)]
+
     def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]:
         """Whether each pending record's owner is alive, and when its lease runs out."""
         return self._read(lambda conn: self._owner_states(conn, records))
@@ -267,6 +313,8 @@ class Writes(GroupCommit, Resolving):
             seq, at, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
             arguments, value, error_text, reason_text, event.actor, event.attempt, owner_text, prev, digest,
         ))
+        if event.call_id is not None and approval_event(event):
+            approvals.fold_event(conn, "?", event, seq)
         folded = apply(record, event, seq)
         if folded is not None and folded is not record:
             # The record's texts that come from this event are the ones made for it above.
