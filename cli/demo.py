@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shlex
 from typing import Any
 
@@ -9,6 +11,7 @@ import click
 import orjson
 
 from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context, is_refusal
+from guard.approvals import ApprovalQueue
 from guard.effect_guard import EffectGuard, reversibility
 from guard.reconcile import Applied, InDoubtCall, NotApplied, reconciled_by
 from journal import Journal, open_journal
@@ -26,7 +29,13 @@ class PaymentBackend:
 
     def __init__(self) -> None:
         self.ledger: list[dict[str, Any]] = []
+        self.refunds: list[dict[str, Any]] = []
         self.lose_next_answer = False
+
+    def refund(self, charge_id: str, cents: int) -> dict[str, Any]:
+        receipt = {"refund_id": f"re_{len(self.refunds) + 1}", "charge_id": charge_id, "cents": cents}
+        self.refunds.append(receipt)
+        return receipt
 
     def charge(self, account: str, cents: int, idempotency_key: str) -> dict[str, Any]:
         receipt = {"charge_id": f"ch_{len(self.ledger) + 1}", "account": account, "cents": cents,
@@ -100,6 +109,15 @@ class _Script:
             return charge
 
         self.charge, self.read_balance, self.charge_checked = charge, read_balance, with_check()
+        # A refund needs an operator's approval, asked for in the journal and given from the CLI.
+        approved = SecurityPolicy(allowed_tools=["refund"], escalate_tools={"refund": "gives money back"},
+                                  approver=ApprovalQueue(ttl=3600), effect_guard=EffectGuard(store=j))
+
+        @Airlock(policy=approved)
+        def refund(charge_id: str, cents: int) -> dict[str, Any]:
+            return backend.refund(charge_id, cents)
+
+        self.refund = refund
 
     def call(self, tool_call_id: str, tool: Any, **arguments: Any) -> Any:
         """What the host does with the model's tool call: run it under the call's id."""
@@ -121,13 +139,16 @@ class _Script:
 @click.command()
 @click.option("--db", default=DEFAULT_DEMO_DB, show_default=True, metavar="PATH_OR_URL", callback=journal_target,
               help="The journal to record the demo's calls in; created if missing, reusable.")
-def demo(db: str) -> None:
+@click.option("--approvals", "with_approvals", is_flag=True,
+              help="Also a refund that waits for an operator's approval, given with `airlock journal approve`.")
+def demo(db: str, with_approvals: bool) -> None:
     """Watch the journal stop a second charge when a payment's answer gets lost.
 
-    A scripted agent pays two invoices through an in-process payment backend. The first
+    A scripted agent pays three invoices through an in-process payment backend. The first
     answer is lost on its way back to the model, which retries: the journal replays the
     stored receipt. The second charge times out: the call is recorded unknown and the retry
-    is refused, so nobody is charged twice. It ends with what an operator sees and the
+    is refused, so nobody is charged twice. With --approvals, a refund also waits for an
+    operator's approval, given with `airlock journal approve`, and then runs once. It ends with what an operator sees and the
     command that settles the unknown call. The journal is kept (./airlock-demo.db unless
     --db says otherwise) so you can explore it with `airlock journal`; every run adds new calls.
 
@@ -137,21 +158,26 @@ def demo(db: str) -> None:
         airlock demo
 
     \b
+        airlock demo --approvals
+
+    \b
         airlock journal show --db airlock-demo.db
     """
     with open_journal(db) as j:
         script = _Script(j, PaymentBackend(), render.use_colour())
         shown = describe(db)  # a URL's password is never printed
         run = _run_number(j)
-        first, second, third, fourth = (f"call_r{run}_{n}" for n in (1, 2, 3, 4))
+        first, second, third, fourth, fifth = (f"call_r{run}_{n}" for n in (1, 2, 3, 4, 5))
         script.heading(f"airlock demo: run {run}, journal {shown}")
         echo()
         _lost_receipt(script, run, first)
         _lost_answer(script, run, second)
         _balance(script, third)
         _backend_answers(script, run, fourth)
+        if with_approvals:
+            _approved_refund(script, run, fifth, db)
         _ledger(script)
-        _what_the_operator_sees(script, shown, second)
+        _what_the_operator_sees(script, shown, second, with_approvals)
 
 
 def _lost_receipt(script: _Script, run: int, call_id: str) -> None:
@@ -218,6 +244,40 @@ def _backend_answers(script: _Script, run: int, call_id: str) -> None:
     echo()
 
 
+def _approved_refund(script: _Script, run: int, call_id: str, db: str) -> None:
+    """Step 5: a refund that waits for an operator: refused approval_pending, approved from the CLI,
+    then run once by the agent's retry."""
+    from .approvals import approve
+
+    say, backend = script.say, script.backend
+    script.heading(f"5. Refund ch_1 of invoice A-{run}: refund(charge_id='ch_1', cents=1250), tool call {call_id}, "
+                   "which needs an operator's approval")
+    waiting = script.call(call_id, script.refund, charge_id="ch_1", cents=1250)
+    if not is_refusal(waiting) or waiting["block_reason"] != "approval_pending":
+        raise click.ClickException(f"the refund {call_id} did not wait for approval: {waiting!r}")
+    say("journal", f"refused {waiting['block_reason']}: request {waiting['metadata']['request_id']} waits "
+                   "for an operator", "refused")
+    say("model", "tells the user the refund waits for approval, and retries later")
+    command = ["approve", call_id, "--operator", "demo-operator", "--reason", "refund agreed with alice",
+               "--db", db]
+    say("ops", f"airlock journal {' '.join(shlex.quote(a) for a in command[:-2])}")
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):  # the command's own lines, shown as the operator sees them
+            approve.main(command[1:], prog_name="airlock journal approve", standalone_mode=False)
+    except click.ClickException as e:
+        raise click.ClickException(f"the approval of {call_id} failed: {e.format_message()}") from e
+    for line in printed.getvalue().splitlines():
+        echo(f"   {'':9}{line}")
+    say("model", f"retries tool call {call_id}")
+    receipt = script.call(call_id, script.refund, charge_id="ch_1", cents=1250)
+    if is_refusal(receipt):
+        raise click.ClickException(f"the approved refund {call_id} was refused: {receipt!r}")
+    say("backend", f"refunded {receipt['refund_id']} ({_money(receipt['cents'])} of ch_1); "
+                   f"{len(backend.refunds)} refund in all", "committed")
+    echo()
+
+
 def _ledger(script: _Script) -> None:
     """The backend's charges: two, for two payments, however many times the model retried."""
     backend = script.backend
@@ -230,11 +290,12 @@ def _ledger(script: _Script) -> None:
     echo()
 
 
-def _what_the_operator_sees(script: _Script, shown: str, second: str) -> None:
+def _what_the_operator_sees(script: _Script, shown: str, second: str, with_approvals: bool) -> None:
     """The end: the calls as `airlock journal show` lists them, and how the unknown call is settled."""
-    show_command = f"airlock journal show --db {shlex.quote(shown)} --limit 4"
+    shown_calls = 5 if with_approvals else 4
+    show_command = f"airlock journal show --db {shlex.quote(shown)} --limit {shown_calls}"
     script.heading(f"What `{show_command}` shows the operator:")
-    records = script.journal.calls(limit=4)
+    records = script.journal.calls(limit=shown_calls)
     for line in render.calls_table(records, width=render.terminal_width(), colour=script.colour):
         echo(f"   {line}")
     echo()

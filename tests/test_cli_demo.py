@@ -45,6 +45,22 @@ def test_demo_charges_once_per_payment_and_ends_with_what_the_operator_sees(tmp_
     assert len(out.splitlines()) < 60
 
 
+def test_demo_with_approvals_shows_a_refund_wait_approved_from_the_cli_then_run_once(tmp_path: Path) -> None:
+    db = tmp_path / "demo.db"
+    result = invoke("demo", "--approvals", "--db", str(db))
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "refused approval_pending" in out
+    assert "airlock journal approve call_r1_5 --operator demo-operator" in out
+    assert "approved by operator:demo-operator for call call_r1_5" in out
+    assert "refunded re_1 (12.50 of ch_1); 1 refund in all" in out
+    table = out.split("shows the operator:", 1)[1].splitlines()
+    assert table[2].split()[:3] == ["call_r1_5", "refund", "committed"]
+    kinds = [k for (k,) in rows(db, "SELECT kind FROM events WHERE call_id = 'call_r1_5' ORDER BY seq")]
+    assert kinds == ["approval_requested", "refused", "approved", "approval_consumed", "pending", "committed"]
+    assert invoke("journal", "verify", "--db", str(db)).exit_code == 0
+
+
 def test_the_printed_resolve_command_settles_the_unknown_call(tmp_path: Path) -> None:
     db = tmp_path / "demo.db"
     out = invoke("demo", "--db", str(db)).stdout
