@@ -148,9 +148,10 @@ def demo(db: str, with_approvals: bool) -> None:
     answer is lost on its way back to the model, which retries: the journal replays the
     stored receipt. The second charge times out: the call is recorded unknown and the retry
     is refused, so nobody is charged twice. With --approvals, a refund also waits for an
-    operator's approval, given with `airlock journal approve`, and then runs once. It ends with what an operator sees and the
-    command that settles the unknown call. The journal is kept (./airlock-demo.db unless
-    --db says otherwise) so you can explore it with `airlock journal`; every run adds new calls.
+    operator's approval, given with `airlock journal approve`, and then runs once. It ends
+    with what an operator sees and the command that settles the unknown call. The journal is
+    kept (./airlock-demo.db unless --db says otherwise) so you can explore it with
+    `airlock journal`; every run adds new calls.
 
     Example:
 

@@ -198,8 +198,9 @@ def table(
     (widest first, each keeping at least 8) and their cells end in an ellipsis; the column ``ids``
     (a column of ids) is never cut so far that two of its ids look the same, and is cut in the
     middle where its ids share their start. ``floors`` gives a shrinkable column a narrowest width of
-    its own. If that is not enough, the columns in ``droppable`` are left out, in that order. ``styles`` names a status per row, which colours the status cell
-    (header "STATUS") when ``colour``. ``show_headers=False`` leaves out the header line.
+    its own. If that is not enough, the columns in ``droppable`` are left out, in that order.
+    ``styles`` names a status per row, which colours the status cell (header "STATUS") when
+    ``colour``. ``show_headers=False`` leaves out the header line.
     """
     rows = [[printable(cell) for cell in row] for row in rows]
     widths = [display_width(h) for h in headers]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -37,11 +38,8 @@ def test_ctrl_c_exits_130_and_appends_nothing(tmp_path: Path) -> None:
         def charge(cents: int) -> None:
             raise TimeoutError("lost")
 
-        with AirlockContext(metadata={"tool_call_id": "c1"}):
-            try:
-                charge(5)
-            except TimeoutError:
-                pass
+        with AirlockContext(metadata={"tool_call_id": "c1"}), contextlib.suppress(TimeoutError):
+            charge(5)
         before = j.count_events()
     (tmp_path / "checks.py").write_text(CHECKS)
     proc = subprocess.Popen([sys.executable, "-m", "cli", "journal", "reconcile", "--with", "checks:CHECKS",
