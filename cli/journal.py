@@ -78,6 +78,9 @@ def _echo_lines(lines: list[str]) -> None:
 @click.option("--tool", type=TEXT, help="Only calls of this tool.")
 @click.option("--agent", "agent_id", type=TEXT, help="Only calls of this agent.")
 @click.option("--since", type=MOMENT, help="Only calls updated since: ISO-8601, or an age like 10m, 2h, 3d.")
+@click.option("--until", type=MOMENT, help="Only calls updated before this time (ISO-8601, or an age).")
+@click.option("--key", "idempotency_key", type=TEXT, metavar="IDEMPOTENCY_KEY",
+              help="Only the calls with this idempotency key (what the backend hands you).")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many calls.")
 @click.option("--offset", type=click.IntRange(min=0), default=0,
               help="Skip the first N calls: the next page is --offset 50, then 100, ...")
@@ -98,6 +101,8 @@ def show(
     tool: str | None,
     agent_id: str | None,
     since: datetime | None,
+    until: datetime | None,
+    idempotency_key: str | None,
     limit: int,
     offset: int,
     every: bool,
@@ -147,8 +152,9 @@ def show(
         # One more than asked for tells whether the list was cut at --limit; a larger --limit is all,
         # and a larger --offset is past them all (SQL takes neither beyond 64 bits).
         limit = min(limit, MOST_CALLS)
-        records = j.calls(status=statuses or None, tool=tool, agent_id=agent_id, since=since,
-                          limit=None if every else limit + 1, offset=min(offset, MOST_CALLS))
+        records = j.calls(status=statuses or None, tool=tool, agent_id=agent_id, since=since, until=until,
+                          idempotency_key=idempotency_key, limit=None if every else limit + 1,
+                          offset=min(offset, MOST_CALLS))
         cut = not every and len(records) > limit
         records = records if every else records[:limit]
         states = j.owner_states(records)
@@ -182,7 +188,9 @@ def _watch(ctx: click.Context, statuses: tuple[str, ...], interval: float) -> No
     try:
         while True:
             ctx.invoke(show, statuses=statuses, tool=ctx.params["tool"], agent_id=ctx.params["agent_id"],
-                       since=ctx.params["since"], limit=ctx.params["limit"], offset=ctx.params["offset"],
+                       since=ctx.params["since"], until=ctx.params["until"],
+                       idempotency_key=ctx.params["idempotency_key"], limit=ctx.params["limit"],
+                       offset=ctx.params["offset"],
                        every=ctx.params["every"], watch=False, interval=interval, as_json=False, as_csv=False,
                        as_tsv=False, as_nl=False, no_headers=ctx.params["no_headers"], db=ctx.params["db"],
                        call_id=None)
@@ -198,7 +206,8 @@ def _watch(ctx: click.Context, statuses: tuple[str, ...], interval: float) -> No
 def _refuse_list_flags(ctx: click.Context) -> None:
     """Refuse the flags of ``show``'s list of calls when it is given a CALL_ID, which shows one call."""
     filters = {"statuses": "--status", "tool": "--tool", "agent_id": "--agent", "since": "--since",
-               "limit": "--limit", "offset": "--offset", "every": "--all"}
+               "until": "--until", "idempotency_key": "--key", "limit": "--limit", "offset": "--offset",
+               "every": "--all", "watch": "--watch"}
     given = [flag for name, flag in filters.items() if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT]
     if given:
         verb, it = ("filter", "they") if len(given) > 1 else ("filters", "it")

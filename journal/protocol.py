@@ -63,6 +63,8 @@ class Journal(EffectStore, LeaseStore, ArchiveStore, EventImporter, Protocol):
         since: datetime | None = None,
         limit: int | None = 50,
         offset: int = 0,
+        until: datetime | None = None,
+        idempotency_key: str | None = None,
     ) -> list[CallRecord]:
         """Calls newest first (by ``updated_at``, then ``call_id``), filtered by status (one, or any
         of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all), after

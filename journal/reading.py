@@ -61,14 +61,15 @@ def _filter(
 
 def call_filter(
     mark: str, nul: bool, status: str | Sequence[str] | None, tool: str | None, agent_id: str | None,
-    since: datetime | None,
+    since: datetime | None, until: datetime | None = None, idempotency_key: str | None = None,
 ) -> tuple[list[str], list[Any]]:
-    """The conditions of ``calls()``: status (one, or any of several), tool, agent and
-    ``updated_at >= since`` (see :func:`_filter`)."""
-    updated = (("updated_at >=", since),)
+    """The conditions of ``calls()``: status (one, or any of several), tool, agent, idempotency key,
+    ``updated_at >= since`` and ``updated_at < until`` (see :func:`_filter`)."""
+    updated = (("updated_at >=", since), ("updated_at <", until))
+    equal = (("tool", tool), ("agent_id", agent_id), ("idempotency_key", idempotency_key))
     if status is None or isinstance(status, str):
-        return _filter(mark, nul, (("status", status), ("tool", tool), ("agent_id", agent_id)), updated)
-    clauses, params = _filter(mark, nul, (("tool", tool), ("agent_id", agent_id)), updated)
+        return _filter(mark, nul, (("status", status), *equal), updated)
+    clauses, params = _filter(mark, nul, equal, updated)
     statuses = [s for s in status if holds(s, nul=nul)]
     any_of = f"status IN ({', '.join([mark] * len(statuses))})" if statuses else "1 = 0"
     return [any_of, *clauses], [*statuses, *params]
@@ -121,11 +122,15 @@ class LogReads:
         since: datetime | None = None,
         limit: int | None = 50,
         offset: int = 0,
+        until: datetime | None = None,
+        idempotency_key: str | None = None,
     ) -> list[CallRecord]:
         """Calls newest first (by ``updated_at``, then ``call_id``, both descending), filtered by status
-        (one, or any of several), tool, agent and ``updated_at >= since``; at most ``limit`` (None: all),
-        after skipping the first ``offset`` (the pages of a long list)."""
-        clauses, params = call_filter(self._placeholder, self._nul, status, tool, agent_id, since)
+        (one, or any of several), tool, agent, idempotency key, ``updated_at >= since`` and
+        ``updated_at < until``; at most ``limit`` (None: all), after skipping the first ``offset``
+        (the pages of a long list)."""
+        clauses, params = call_filter(self._placeholder, self._nul, status, tool, agent_id, since, until,
+                                      idempotency_key)
         sql = _CALLS + (" WHERE " + " AND ".join(clauses) if clauses else "")
         # Every call of some statuses: one scan and a sort of those, not a walk of the whole
         # projection in the order of its index on updated_at (twice as slow on SQLite).

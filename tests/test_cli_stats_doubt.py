@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.cli_support import invoke, leave_pending, pending_with_live_owner, seed
 
 
@@ -89,3 +91,43 @@ def test_export_takes_the_flags_of_every_listing_and_keeps_format(tmp_path: Path
         "journal", "export", "--db", str(db)).stdout
     both = invoke("journal", "export", "--nl", "--csv", "--db", str(db))
     assert both.exit_code == 2 and "give one" in both.output
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        path = tmp_path / "j.db"
+        seed(path)
+        return str(path)
+    from journal.postgres import PostgresJournal
+    from tests.cli_support import seed_into
+    from tests.pgserver import fresh_schema
+
+    dsn = fresh_schema()
+    with PostgresJournal(dsn) as journal:
+        seed_into(journal)
+    return dsn
+
+
+def test_show_finds_a_call_by_the_idempotency_key_the_backend_hands_over(target: str) -> None:
+    from journal import open_journal
+
+    with open_journal(target, create=False) as j:
+        wanted = j.call("call-timeout")
+    assert wanted is not None and wanted.idempotency_key is not None
+    found = invoke("journal", "show", "--key", wanted.idempotency_key, "--db", target, "--json")
+    assert found.exit_code == 0, found.output
+    assert [json.loads(line)["call_id"] for line in found.stdout.splitlines()] == ["call-timeout"]
+    none = invoke("journal", "show", "--key", "0" * 64, "--db", target)
+    assert none.exit_code == 0 and none.stderr.startswith("No calls match.")
+
+
+def test_show_until_takes_the_calls_updated_before_a_time(target: str) -> None:
+    every = [json.loads(line) for line in invoke("journal", "show", "--db", target, "--json").stdout.splitlines()]
+    newest = every[0]["updated_at"]
+    before = invoke("journal", "show", "--until", newest, "--db", target, "--json")
+    assert before.exit_code == 0, before.output
+    ids = [json.loads(line)["call_id"] for line in before.stdout.splitlines()]
+    assert every[0]["call_id"] not in ids and ids == [c["call_id"] for c in every if c["updated_at"] < newest]
+    one = invoke("journal", "show", "call-ok", "--until", newest, "--db", target)
+    assert one.exit_code == 2 and "--until" in one.stderr
