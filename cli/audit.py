@@ -4,8 +4,10 @@ journal as one chain, and of a checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,9 +15,10 @@ from typing import Any, BinaryIO
 
 import click
 
-from journal import Journal, VerifyReport, open_journal
+from journal import Journal, JournalError, VerifyReport, open_journal
+from journal.archive import ArchiveRecord, archive_holding, archives_between, recorded_archives
 from journal.chain import GAP, GENESIS, ChainCheck, feed_line
-from journal.checkpoint import checkpoint_problem, make_checkpoint, malformed
+from journal.checkpoint import archived_start, checkpoint_problem, line_problem, make_checkpoint, malformed
 from journal.manifest import (
     ExportTally,
     digest_problem,
@@ -37,7 +40,8 @@ from .export import NotJsonLines, Tallied, read_export, write_all, write_file
 from .files import CHECKPOINT_BYTES, MANIFEST_BYTES, TooBig, check_key_file, check_public_key, is_device, read_small
 from .options import db_option, describe, echo, echo_bytes
 
-__all__ = ["checkpoint", "export_signed", "keygen", "load_key", "refuse_device", "verify_audit", "verify_audit_wanted"]
+__all__ = ["CannotCheck", "checkpoint", "export_signed", "keygen", "load_key", "refuse_device", "verify_audit",
+           "verify_audit_wanted"]
 
 
 # -- keygen --------------------------------------------------------------------------------------
@@ -111,8 +115,9 @@ def checkpoint(key_file: Path | None, output: Path | None, db: str) -> None:
 
     Kept where the journal's writers cannot reach it, a checkpoint later shows whether the
     journal still holds that seq with that hash: verify --checkpoint FILE fails for a log cut
-    short or rewritten before that point. With --sign the checkpoint is signed (the extra
-    'sign').
+    short or rewritten before that point. Once its seq is archived, it is checked against the
+    archives: verify --checkpoint FILE --export A1 ... --db J. With --sign the checkpoint is
+    signed (the extra 'sign').
 
     Example:
 
@@ -165,18 +170,30 @@ def export_signed(
 # -- verify: signed exports, exports joined to a journal, checkpoints ------------------------------
 
 
-def verify_audit_wanted(exports: tuple[Path, ...], public_key: str | None, checkpoint_file: Path | None,
+def verify_audit_wanted(exports: tuple[Path, ...], public_key: str | None, checkpoint_files: tuple[Path, ...],
                         db_given: bool) -> bool:
     """Whether verify goes beyond one unsigned export or the journal alone; raises a usage error
     for options that do not go together."""
-    if public_key is not None and not exports and checkpoint_file is None:
+    if public_key is not None and not exports and not checkpoint_files:
         raise click.UsageError("--public-key goes with --export FILE or --checkpoint FILE")
-    if checkpoint_file is not None and exports:
-        raise click.UsageError("--checkpoint checks the journal (--db), not an export: give it without --export")
+    named = {os.path.realpath(e): e for e in exports if str(e) != "-"}
+    both = [c for c in checkpoint_files if os.path.realpath(c) in named]
+    if both:
+        raise click.UsageError(f"{both[0]} is given as --checkpoint and as --export: a checkpoint is one file, "
+                               "checked against the exports (the archives) and the journal")
     joined = len(exports) > 1 or (bool(exports) and db_given)
-    if (joined or public_key is not None) and any(str(f) == "-" for f in exports):
+    if (joined or public_key is not None or checkpoint_files) and any(str(f) == "-" for f in exports):
         raise click.UsageError("'-' (stdin) is for one unsigned --export alone: name the files")
-    return joined or public_key is not None or checkpoint_file is not None
+    return joined or public_key is not None or bool(checkpoint_files)
+
+
+class CannotCheck(click.ClickException):
+    """A checkpoint that what verify was given cannot check (its seq archived, the archive not
+    given): no sign of tampering, and not a pass; ``report`` is what ``--json`` prints."""
+
+    def __init__(self, message: str, report: VerifyReport) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 class _Failed(Exception):
@@ -235,10 +252,12 @@ def _file_digest(export: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _check_export(export: Path, check: ChainCheck, manifest: dict[str, Any] | None, empty_ok: bool) -> int:
+def _check_export(export: Path, check: ChainCheck, manifest: dict[str, Any] | None, empty_ok: bool,
+                  wanted: frozenset[int] = frozenset(), found: dict[int, tuple[Any, Any, str]] | None = None) -> int:
     """Feed the events of ``export`` to ``check`` after the files before it; with its signed
     ``manifest``, check its digest first. An export without events is an error unless its signed
-    manifest says so or ``empty_ok``. Returns its event count; raises :class:`_Failed`."""
+    manifest says so or ``empty_ok``. Returns its event count; raises :class:`_Failed`. The
+    ``hash`` and ``at`` of each event whose ``seq`` is ``wanted`` (a checkpoint's) go to ``found``."""
     before = check.report().events
     first: dict[str, Any] | None = None
     last: dict[str, Any] = {}
@@ -257,6 +276,8 @@ def _check_export(export: Path, check: ChainCheck, manifest: dict[str, Any] | No
                     if not feed_line(check, n, line):
                         break
                     last = line
+                    if found is not None and line["seq"] in wanted:
+                        found[line["seq"]] = (line["hash"], line["at"], str(export))
             except NotJsonLines as e:
                 problem = f"it is not a JSON Lines export: {e}"
     except FileNotFoundError as e:
@@ -308,47 +329,86 @@ def _join_journal(j: Journal, check: ChainCheck, exports: tuple[Path, ...], sour
 
 
 def verify_audit(
-    exports: tuple[Path, ...], public_key: str | None, checkpoint_file: Path | None, allow_gaps: bool,
+    exports: tuple[Path, ...], public_key: str | None, checkpoint_files: tuple[Path, ...], allow_gaps: bool,
     db: str | None,
 ) -> tuple[VerifyReport, str]:
     """Verify ``exports`` in order as one chain (each against its signed manifest when
-    ``public_key`` is given), then the journal ``db`` (when given) as their continuation, or the
-    journal against the checkpoint ``checkpoint_file``. Returns the report and what it is of."""
+    ``public_key`` is given), then the journal ``db`` (when given) as their continuation, and
+    ``db`` against each checkpoint of ``checkpoint_files``: its ``seq`` and ``hash`` are looked for
+    in the exports (the archives) and then in the journal. Returns the report and what it is of."""
     if public_key is not None:
         check_public_key(public_key)
     key = None if public_key is None else load_public_key(public_key)
+    checkpoints = [(path, _read_checkpoint(path, key)) for path in checkpoint_files]
+    wanted = frozenset(made["seq"] for _, made in checkpoints)
+    seen: dict[int, tuple[Any, Any, str]] = {}
     counted = 0
+    check = ChainCheck()
     try:
         manifests = [None if key is None else _signed_manifest(export, key) for export in exports]
         # A signed export made with filters says so: its gaps in seq are expected.
         filtered = len(manifests) == 1 and manifests[0] is not None and any(manifests[0]["filters"].values())
         check = ChainCheck(allow_gaps or filtered)
         for export, manifest in zip(exports, manifests, strict=True):
-            counted += _check_export(export, check, manifest, allow_gaps)
+            counted += _check_export(export, check, manifest, allow_gaps, wanted, seen)
         if db is None:
             return check.report(), ", ".join(str(f) for f in exports)
-        if checkpoint_file is not None:
-            return _verify_checkpoint(checkpoint_file, key, db)
         with open_journal(db, readonly=True, create=False) as j:
             alone = j.verify()
+            if not exports:
+                # A checkpoint that does not match first: a log cut short or rewritten (which may
+                # verify alone) is what checkpoints are kept to find.
+                mismatch = _checkpoints_mismatch(j, checkpoints, seen, exports, db)
+                if mismatch is not None:
+                    return dataclasses.replace(alone, ok=False, first_bad_seq=None, problem=mismatch[1]), mismatch[0]
+                if alone.ok:
+                    _matched(checkpoints, seen)
+                return alone, describe(db)
             if not alone.ok:
                 raise _Failed(describe(db), alone)
             more, head = _join_journal(j, check, exports, describe(db))
+            mismatch = _checkpoints_mismatch(j, checkpoints, seen, exports, db)
+            if mismatch is not None:
+                return VerifyReport(ok=False, events=counted + more, head=head, problem=mismatch[1]), mismatch[0]
     except _Failed as failed:
-        return failed.report, failed.source
+        return _missing_archives_named(failed, check, exports, db), failed.source
+    _matched(checkpoints, seen)
     shown = f"{', '.join(str(f) for f in exports)} and {describe(db)}"
     return VerifyReport(ok=True, events=counted + more, head=head), shown
 
 
-def refuse_device(export: Path) -> None:
-    """Refuse an ``--export`` FILE that is a device (``/dev/zero``): an export is a file, or a pipe
-    (``-``, or a shell's ``<(...)``), and a device's read may never end. Raises ``OSError`` as stat
-    does, for the caller to report."""
-    if is_device(os.stat(export).st_mode):
-        raise click.ClickException(f"cannot read {export}: it is a device, not an export file")
+def _missing_archives_named(failed: _Failed, check: ChainCheck, exports: tuple[Path, ...],
+                            db: str | None) -> VerifyReport:
+    """The report of ``failed``; for events missing between the exports (or between them and the
+    journal) that the journal ``db`` recorded archiving, one that names those archives and where
+    they go among the --export files (no --allow-gaps, which would not join them)."""
+    report = failed.report
+    problem, bad = report.problem or "", report.first_bad_seq
+    if db is None or bad is None or not problem.endswith(GAP) or bad <= check.last_seq + 1:
+        return report
+    first, last = check.last_seq + 1, bad - 1
+    try:
+        with open_journal(db, readonly=True, create=False) as j:
+            recorded = archives_between(recorded_archives(j), first, last)
+    except JournalError:
+        return report
+    if not recorded:
+        return report
+    files = ", ".join(a.describe() for a in recorded)
+    adds = " ".join(f"--export {shlex.quote(a.file)}" for a in recorded)
+    if failed.source in {str(e) for e in exports}:
+        where = f"before --export {failed.source}"
+    else:
+        where = f"after --export {exports[-1]}" if exports else "first"
+    them = "it (or its copy)" if len(recorded) == 1 else "them (or their copies) in seq order"
+    problem = (f"{problem} (seq {first} to {last}): the journal recorded archiving them to {files}; give "
+               f"{them}: {adds}, {where}")
+    return dataclasses.replace(report, problem=problem)
 
 
-def _verify_checkpoint(checkpoint_file: Path, key: str | None, db: str) -> tuple[VerifyReport, str]:
+def _read_checkpoint(checkpoint_file: Path, key: str | None) -> dict[str, Any]:
+    """The checkpoint in ``checkpoint_file``, checked against ``key`` when given; raises an error
+    naming the file when it cannot be used."""
     try:
         raw = _read(checkpoint_file, "checkpoint", CHECKPOINT_BYTES)
     except TooBig as e:
@@ -362,16 +422,70 @@ def _verify_checkpoint(checkpoint_file: Path, key: str | None, db: str) -> tuple
         raise click.ClickException(f"{checkpoint_file} is not a checkpoint that can be used: {problem}")
     if key is None and "signature" in made:
         click.echo(f"The signature of {checkpoint_file} is not checked: give --public-key to check it.", err=True)
-    with open_journal(db, readonly=True, create=False) as j:
-        mismatch = checkpoint_problem(j, made)
-        report = j.verify()
-    if mismatch is not None:
-        problem = f"it no longer matches the checkpoint {checkpoint_file}: {mismatch}"
-        return VerifyReport(ok=False, events=report.events, head=report.head, problem=problem), describe(db)
-    if report.ok:
-        click.echo(f"The journal holds seq {made['seq']} of the checkpoint {checkpoint_file} with its hash.",
-                   err=True)
-    return report, describe(db)
+    return made
+
+
+def _checkpoints_mismatch(j: Journal, checkpoints: list[tuple[Path, dict[str, Any]]],
+                          seen: dict[int, tuple[Any, Any, str]], exports: tuple[Path, ...],
+                          db: str) -> tuple[str, str] | None:
+    """The first checkpoint that no longer matches the export line of its seq (``seen``) or else
+    the journal: where (an export, or the journal) and the problem; None when each matches. A
+    checkpoint whose seq the journal has archived, and no --export holds, raises
+    :class:`CannotCheck`, which says what to run."""
+    recorded: list[ArchiveRecord] | None = None
+    for path, made in checkpoints:
+        seq = made["seq"]
+        if seq in seen:
+            found_hash, at, where = seen[seq]
+            problem = line_problem(made, found_hash, at, where)
+            source = where
+        else:
+            if archived_start(j, made) is not None:
+                recorded = recorded_archives(j) if recorded is None else recorded
+                message = _archived_checkpoint(path, seq, recorded, exports, db)
+                raise CannotCheck(message, VerifyReport(ok=False, events=0, head=GENESIS, problem=message))
+            problem = checkpoint_problem(j, made)
+            source = describe(db)
+        if problem is not None:
+            return source, f"it no longer matches the checkpoint {path}: {problem}"
+    return None
+
+
+def _archived_checkpoint(path: Path, seq: int, recorded: list[ArchiveRecord], exports: tuple[Path, ...],
+                         db: str) -> str:
+    """What to say of the checkpoint ``path`` whose ``seq`` the journal ``db`` archived, and which
+    no --export given holds: where the journal archived it, and the command that checks it."""
+    holding = archive_holding(recorded, seq)
+    where = (f"to {holding.file}, as the journal recorded (that archive holds seq {holding.first_seq} to "
+             f"{holding.upto_seq})" if holding is not None else "and the journal holds no record of its archive")
+    alone = f"{describe(db)} and the --export files given" if exports else f"{describe(db)} alone"
+    every = " ".join(f"--export {shlex.quote(a.file)}" for a in recorded) or "--export ARCHIVE ..."
+    command = (f"airlock journal verify --checkpoint {shlex.quote(str(path))} {every} "
+               f"--db {shlex.quote(describe(db))}")
+    return (f"the checkpoint {path} cannot be checked against {alone}: its seq {seq} was archived {where}, "
+            "and the journal no longer holds it (no sign of tampering); check it against the archives and the "
+            f"journal together, every archive in seq order: {command}")
+
+
+def _matched(checkpoints: list[tuple[Path, dict[str, Any]]], seen: dict[int, tuple[Any, Any, str]]) -> None:
+    """Say on stderr what held each checkpoint's seq with its hash."""
+    if len(checkpoints) == 1:
+        path, made = checkpoints[0]
+        held = "The journal" if made["seq"] not in seen else f"The archive {seen[made['seq']][2]}"
+        click.echo(f"{held} holds seq {made['seq']} of the checkpoint {path} with its hash.", err=True)
+    elif checkpoints:
+        seqs = [made["seq"] for _, made in checkpoints]
+        archived = sum(1 for seq in seqs if seq in seen)
+        click.echo(f"Each of the {len(checkpoints)} checkpoints (seq {min(seqs)} to {max(seqs)}) matches: "
+                   f"{archived} in the archives, {len(checkpoints) - archived} in the journal.", err=True)
+
+
+def refuse_device(export: Path) -> None:
+    """Refuse an ``--export`` FILE that is a device (``/dev/zero``): an export is a file, or a pipe
+    (``-``, or a shell's ``<(...)``), and a device's read may never end. Raises ``OSError`` as stat
+    does, for the caller to report."""
+    if is_device(os.stat(export).st_mode):
+        raise click.ClickException(f"cannot read {export}: it is a device, not an export file")
 
 
 def note_unchecked_manifests(exports: tuple[Path, ...]) -> None:

@@ -33,7 +33,10 @@ def copy(source: str, destination: str) -> None:
     The events are inserted as they were stored, the projection is folded again from them, and
     the copy is verified: its chain must check and its head hash must equal the source's. The
     destination must hold no events; the source is never changed. Stop the agents writing to the
-    source first: events appended during the copy are not part of it.
+    source first: events appended during the copy are not part of it. A journal whose oldest
+    events were archived is copied with its archived head and the projection as of it, so the
+    copy verifies and goes on from the same archives. A copy that fails leaves nothing at --to
+    that it made.
 
     Example:
 
@@ -53,9 +56,13 @@ def copy(source: str, destination: str) -> None:
             report = _run(src, source, destination)
         except JournalNotFound as e:
             raise click.ClickException(then(e, "--to names the journal to copy into.")) from e
+    archived = ""
+    if report.archived:
+        archived = (f", its log after the archived head (seq {report.archived}), which the copy keeps with the "
+                    "projection as of it")
     echo(
-        f"Copied {report.events} events ({report.calls} calls) from {describe(source)} to {describe(destination)}; "
-        f"the copy verifies, head {report.head}"
+        f"Copied {report.events} events ({report.calls} calls) from {describe(source)} to {describe(destination)}"
+        f"{archived}; the copy verifies, head {report.head}"
     )
 
 

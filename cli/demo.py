@@ -65,9 +65,14 @@ class PaymentBackend:
 
 
 def _run_number(j: Journal) -> int:
-    """The first run whose tool call ids this journal has not seen, so a rerun starts fresh."""
+    """The first run whose tool call ids this journal has not seen, so a rerun starts fresh.
+
+    A run is seen when the projection has a row for one of its calls: archiving moves a call's
+    events out of the journal but keeps its row (and a retry of it is replayed or refused), so
+    the rows, not the events, tell which ids are taken. The events are asked too, for an id the
+    journal only refused (no row)."""
     run = 1
-    while j.call_events(f"call_r{run}_1"):
+    while any(j.call(f"call_r{run}_{n}") is not None for n in range(1, 6)) or j.call_events(f"call_r{run}_1"):
         run += 1
     return run
 

@@ -20,6 +20,7 @@ from click.core import ParameterSource
 
 from guard.store import CallRecord, format_at
 from journal import Journal, open_journal
+from journal.archive import archive_holding, archived_call_last_seq, recorded_archives
 from journal.chain import GAP, verify_lines
 from journal.events import REDACTABLE, JournalEvent, VerifyReport
 from journal.projection import fold
@@ -267,22 +268,53 @@ def _show_call(call_id: str, as_json: bool, db: str) -> None:
     with open_journal(db, readonly=True, create=False) as j:
         record, events = _call_and_events(j, call_id)
         state = j.owner_states([record]).get(call_id) if record is not None else None
+        archived = _archived_events(j, call_id) if record is not None else None
     if record is None and not events:
         raise click.ClickException(f"no call {call_id!r} in the journal {describe(db)}")
     if as_json:
         shown = render.call_json(record, state) if record is not None else render.unprojected_call_json(call_id, events)
         shown["events"] = [e.export() for e in events]
+        if archived is not None:
+            shown["archived"] = archived
         echo_bytes(render.dumps_line(shown))
         return
     colour = render.use_colour()
     _echo_lines(render.call_lines(call_id, record, events, width=render.terminal_width(), colour=colour,
                                   state=state))
+    if archived is not None:
+        echo(f"\n{_archived_note(archived, bool(events))}")
     if record is not None and record.status in ("pending", "unknown"):
         echo(
             f"\nAsk the backend whether idempotency key {record.idempotency_key} was applied, then settle it:\n"
             f"  airlock journal resolve {call_id} --applied --reason \"...\"      (it happened)\n"
             f"  airlock journal resolve {call_id} --not-applied --reason \"...\"  (it did not)"
         )
+
+
+def _archived_events(j: Journal, call_id: str) -> dict[str, Any] | None:
+    """Where the events of ``call_id`` that the journal archived went: ``last_seq``, the last of
+    them that changed the call's state (the projection's ``last_seq`` as of the archived head), and
+    the archive file that holds it, as the journal recorded it (``file``, ``file_first_seq``,
+    ``file_last_seq``; null when it recorded none); None when none of its events was archived."""
+    last = archived_call_last_seq(j, call_id)
+    if last is None:
+        return None
+    holding = archive_holding(recorded_archives(j), last)
+    return {"last_seq": last, "file": None if holding is None else holding.file,
+            "file_first_seq": None if holding is None else holding.first_seq,
+            "file_last_seq": None if holding is None else holding.upto_seq}
+
+
+def _archived_note(archived: dict[str, Any], some_left: bool) -> str:
+    """What ``show CALL_ID`` says of the call's events that were archived (not in the table)."""
+    which = "Earlier events" if some_left else "Events"
+    last, file = archived["last_seq"], archived["file"]
+    said = f"{which} of this call were archived and are not shown: seq {last}, the last that changed its state,"
+    if file is None:
+        return f"{said} was archived, but the journal holds no record of the archive file."
+    first, upto = archived["file_first_seq"], archived["file_last_seq"]
+    earlier = "" if first == 1 else "; earlier ones are there or in the archives before it"
+    return f"{said} is in the archive {file} (seq {first} to {upto}){earlier}."
 
 
 # -- resolve -------------------------------------------------------------------------------------
@@ -554,13 +586,15 @@ EMPTY_EXPORT = ("it holds no events, and an empty export is evidence of nothing 
 @click.option("--public-key", metavar="PUBFILE_OR_HEX",
               help="Check the signature of each export's manifest (FILE.manifest.json) and the file's sha256, "
                    "or of the checkpoint: 64 hex digits, or a file holding them or a PEM public key.")
-@click.option("--checkpoint", "checkpoint_file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
-              help="Also check that the journal still holds the checkpoint's seq with its hash.")
+@click.option("--checkpoint", "checkpoint_files", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              multiple=True,
+              help="Also check that the journal, or an --export (an archive) before it, still holds the "
+                   "checkpoint's seq with its hash. May be given more than once.")
 @json_option
 @db_option
 @click.pass_context
 def verify(ctx: click.Context, export_files: tuple[Path, ...], allow_gaps: bool, public_key: str | None,
-           checkpoint_file: Path | None, as_json: bool, db: str) -> None:
+           checkpoint_files: tuple[Path, ...], as_json: bool, db: str) -> None:
     """Recompute the hash chain and check the projection against the log.
 
     Exit 0 with the event count and head hash; exit 1 naming the seq of the first bad event.
@@ -569,7 +603,9 @@ def verify(ctx: click.Context, export_files: tuple[Path, ...], allow_gaps: bool,
     --allow-gaps says the export was filtered. With --public-key, each export must come
     with its signed manifest, and match it byte for byte. Several --export files, and --db
     after them, are checked as one chain in seq order. --checkpoint FILE fails when the journal
-    no longer holds the checkpoint's seq with its hash (a log cut short or rewritten).
+    no longer holds the checkpoint's seq with its hash (a log cut short or rewritten); a
+    checkpoint whose seq was archived is checked against the archives given as --export, with
+    the journal (--db) after them. --checkpoint may be given more than once.
 
     Example:
 
@@ -587,14 +623,22 @@ def verify(ctx: click.Context, export_files: tuple[Path, ...], allow_gaps: bool,
 
     \b
         airlock journal verify --checkpoint checkpoint.json --public-key audit-key.pub
+
+    \b
+        airlock journal verify --checkpoint checkpoint.json --export archive-2026-10.jsonl --db journal.db
     """
     export_file = export_files[0] if export_files else None
     if allow_gaps and export_file is None:
         raise click.UsageError("--allow-gaps goes with --export FILE")
     db_given = ctx.get_parameter_source("db") is ParameterSource.COMMANDLINE
-    if audit.verify_audit_wanted(export_files, public_key, checkpoint_file, db_given):
-        report, source = audit.verify_audit(export_files, public_key, checkpoint_file, allow_gaps,
-                                            db if db_given or checkpoint_file is not None else None)
+    if audit.verify_audit_wanted(export_files, public_key, checkpoint_files, db_given):
+        try:
+            report, source = audit.verify_audit(export_files, public_key, checkpoint_files, allow_gaps,
+                                                db if db_given or checkpoint_files else None)
+        except audit.CannotCheck as e:  # a checkpoint whose seq is archived, and no archive holding it given
+            if as_json:
+                echo_bytes(render.dumps_line(dataclasses.asdict(e.report)))
+            raise
     elif export_file is not None:
         audit.note_unchecked_manifests(export_files)
         report, source = _verify_export_file(export_file, allow_gaps)
@@ -608,7 +652,8 @@ def verify(ctx: click.Context, export_files: tuple[Path, ...], allow_gaps: bool,
             "first_bad_seq": report.first_bad_seq, "problem": report.problem,
         }))
     if not report.ok:  # with --json too: the JSON on stdout, the one line on stderr
-        raise _not_verified(report, source, export_file is not None)
+        # The hint of --allow-gaps is for a gap in an export, never in the journal joined to them.
+        raise _not_verified(report, source, export_file is not None and source != describe(db))
     if as_json:
         return
     if export_file is not None and not report.events:

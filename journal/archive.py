@@ -53,12 +53,19 @@ from .sqlite import schema
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["POSTGRES_SNAPSHOT_BY_CALL", "ArchivePlan", "ArchiveStore", "Archiving", "SQLiteSnapshot", "archive_lines",
-           "archive_steps", "fold_onto", "plan_archive", "postgres_archived_head", "postgres_commit", "snapshot_row",
-           "sqlite_archived_head", "sqlite_commit", "sqlite_unfinished"]
+__all__ = ["ArchivePlan", "ArchiveRecord", "ArchiveStore", "Archiving", "POSTGRES_SNAPSHOT_BY_CALL",
+           "SQLiteSnapshot", "StartMoved", "archive_holding", "archive_lines", "archive_steps",
+           "archived_call_last_seq", "archived_projection", "archived_requests", "archives_between", "fold_onto",
+           "plan_archive", "postgres_archived_head", "postgres_commit", "recorded_archives", "snapshot_row",
+           "sqlite_archived_head", "sqlite_commit", "sqlite_unfinished", "stored_copy"]
 
 _EVENTS = ", ".join(EVENT_COLUMNS)
 _CHUNK = 1 << 20  # about a megabyte of lines a write
+
+
+class StartMoved(JournalError):
+    """An archive's transaction found the log starting elsewhere than where it was planned from:
+    another archive (or another step of the same one) moved it meanwhile; nothing was changed."""
 
 
 class Archiving(Protocol):
@@ -117,6 +124,187 @@ class ArchivePlan:
             raise ValueError(f"seq {base_seq + 1} to {last_seq} is not a step of the archive of seq "
                              f"{whole.base_seq + 1} to {whole.last_seq}")
         return ArchivePlan(base_seq, base_hash, last_seq, last_hash, whole)
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveRecord:
+    """What a journal recorded of one archive (a row of its ``archives`` table): the archive file
+    ``file`` (its path when it was written) holds the events ``first_seq`` to ``upto_seq``; the
+    journal has let go of them up to ``last_seq`` (``upto_seq`` once it is finished: only a SQLite
+    archive stopped between its steps is not), ``events`` of them, at ``archived_at``."""
+
+    first_seq: int
+    last_seq: int
+    last_hash: str
+    upto_seq: int
+    upto_hash: str
+    events: int
+    archived_at: str
+    file: str
+
+    @property
+    def finished(self) -> bool:
+        """Whether the journal has let go of every event of the archive's file."""
+        return self.last_seq >= self.upto_seq
+
+    def holds(self, seq: int) -> bool:
+        """Whether the archive's file holds event ``seq``."""
+        return self.first_seq <= seq <= self.upto_seq
+
+    def describe(self) -> str:
+        """The archive for a message: its file and the seqs it holds."""
+        return f"{self.file} (seq {self.first_seq} to {self.upto_seq})"
+
+
+_ARCHIVES_SQLITE = ("SELECT last_seq, last_hash, upto_seq, upto_hash, events, archived_at, file FROM archives "
+                    "ORDER BY last_seq")
+# Version 6 of SQLite, and PostgreSQL, record no upto_seq: an archive there is finished when recorded.
+_ARCHIVES_POSTGRES = _ARCHIVES_SQLITE_V6 = ("SELECT last_seq, last_hash, NULL, NULL, events, archived_at, file "
+                                            "FROM archives ORDER BY last_seq")
+
+
+def _sqlite_archive_rows(conn: sqlite3.Connection) -> list[tuple[Any, ...]]:
+    for sql in (_ARCHIVES_SQLITE, _ARCHIVES_SQLITE_V6):
+        try:
+            return conn.execute(sql).fetchall()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):
+                return []  # a journal of a version before archives, read as it is
+            if "no such column" not in str(e):
+                raise
+    return []
+
+
+def _record(row: tuple[Any, ...]) -> ArchiveRecord:
+    last_seq, last_hash, upto_seq, upto_hash, events, archived_at, file = row
+    upto_seq = int(last_seq) if upto_seq is None else int(upto_seq)
+    upto_hash = str(last_hash) if upto_hash is None else str(upto_hash)
+    return ArchiveRecord(first_seq=int(last_seq) - int(events) + 1, last_seq=int(last_seq), last_hash=str(last_hash),
+                         upto_seq=upto_seq, upto_hash=upto_hash, events=int(events), archived_at=str(archived_at),
+                         file=str(file))
+
+
+def _store(journal: object) -> str | None:
+    """``"sqlite"`` or ``"postgres"`` for a journal of these stores, else None."""
+    from .sqlite import SQLiteJournal  # here: the SQLite journal's own modules import this one
+
+    if isinstance(journal, SQLiteJournal):
+        return "sqlite"
+    if type(journal).__module__.startswith(f"{__package__}.postgres"):  # without importing psycopg
+        return "postgres"
+    return None
+
+
+def recorded_archives(journal: object) -> list[ArchiveRecord]:
+    """Every archive ``journal`` recorded, oldest first (none for a journal that cannot archive)."""
+    store = _store(journal)
+    if store == "sqlite":
+        rows = journal._read(_sqlite_archive_rows)  # type: ignore[attr-defined]
+    elif store == "postgres":
+        rows = journal._read("read the archives", _ARCHIVES_POSTGRES)  # type: ignore[attr-defined]
+    else:
+        return []
+    return [_record(tuple(row)) for row in rows]
+
+
+def archive_holding(archives: Iterable[ArchiveRecord], seq: int) -> ArchiveRecord | None:
+    """The archive whose file holds event ``seq`` (the latest, should two), or None."""
+    found = None
+    for record in archives:
+        if record.holds(seq):
+            found = record
+    return found
+
+
+def archives_between(archives: Iterable[ArchiveRecord], first: int, last: int) -> list[ArchiveRecord]:
+    """The archives whose files hold events of ``first`` to ``last``, oldest first."""
+    return [a for a in archives if a.first_seq <= last and a.upto_seq >= first]
+
+
+# The position of last_seq in a row of calls_archived's record (the projection row without call_id).
+_RECORD_LAST_SEQ = CALL_COLUMNS.index("last_seq") - 1
+
+
+def archived_call_last_seq(journal: object, call_id: str) -> int | None:
+    """The ``seq`` of the last event of ``call_id`` that the journal has let go of (archived),
+    from the projection as of the start of its log; None when none of its events is archived."""
+    def last_of(record: Any) -> int | None:
+        try:
+            value = orjson.loads(record)[_RECORD_LAST_SEQ]
+        except (orjson.JSONDecodeError, IndexError, TypeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    store = _store(journal)
+    if store == "sqlite":
+        def read(conn: sqlite3.Connection) -> int | None:
+            start = sqlite_archived_head(conn)[0]
+            if not start:
+                return None
+            kept = conn.execute(_KEPT, (call_id,)).fetchone()
+            if kept is not None:
+                return last_of(kept[0])
+            row = conn.execute("SELECT last_seq FROM calls WHERE call_id = ?", (call_id,)).fetchone()
+            return int(row[0]) if row is not None and isinstance(row[0], int) and row[0] <= start else None
+
+        return journal._read(read)  # type: ignore[attr-defined,no-any-return]
+    if store == "postgres":
+        rows = journal._read("read an archived call",  # type: ignore[attr-defined]
+                             "SELECT record FROM calls_archived WHERE call_id = %s", (call_id,))
+        return last_of(rows[0][0]) if rows else None
+    return None
+
+
+def archived_projection(journal: object) -> dict[str, tuple[Any, ...]]:
+    """The projection of ``journal`` as of the start of its log (its last archive's head): each
+    call's stored row (:data:`~journal.rows.CALL_COLUMNS`) by call id; empty without an archive.
+
+    SQLite keeps it copy-on-write: a call's row is its copy in calls_archived, else its row in
+    calls when that row is not past the start. The rows are read before the copies, so that a row
+    a writer moves meanwhile is found as its copy (which the trigger takes as it moves)."""
+    store = _store(journal)
+    if store == "sqlite":
+        def read(conn: sqlite3.Connection) -> dict[str, tuple[Any, ...]]:
+            start = sqlite_archived_head(conn)[0]
+            if not start:
+                return {}
+            rows = {row[0]: tuple(row) for row in conn.execute(
+                f"SELECT {', '.join(CALL_COLUMNS)} FROM calls WHERE last_seq <= ?", (start,))}
+            for call_id, record in conn.execute("SELECT call_id, record FROM calls_archived"):
+                rows[call_id] = _row(call_id, record)
+            return rows
+
+        return journal._read(read)  # type: ignore[attr-defined,no-any-return]
+    if store == "postgres":
+        found = journal._read("read the archived projection",  # type: ignore[attr-defined]
+                              "SELECT call_id, record FROM calls_archived")
+        return {call_id: _row(call_id, record) for call_id, record in found}
+    return {}
+
+
+def archived_requests(journal: object) -> list[tuple[str, str]]:
+    """The requests for approval of ``journal`` as of the start of its log (``request_id`` and
+    the request as stored); none without an archive, or in a journal from before approvals."""
+    store = _store(journal)
+    sql = "SELECT request_id, request FROM approvals_archived ORDER BY request_id"
+    if store == "sqlite":
+        def read(conn: sqlite3.Connection) -> list[tuple[str, str]]:
+            try:
+                return [(str(r), str(q)) for r, q in conn.execute(sql)]
+            except sqlite3.OperationalError as e:
+                if "no such table" in str(e):
+                    return []
+                raise
+
+        return journal._read(read)  # type: ignore[attr-defined,no-any-return]
+    if store == "postgres":
+        return [(str(r), str(q)) for r, q in journal._read("read the archived requests", sql)]  # type: ignore[attr-defined]
+    return []
+
+
+def stored_copy(row: tuple[Any, ...]) -> tuple[str, str]:
+    """A row of calls_archived (call id, record) from a projection row."""
+    return _stored(row)
 
 
 def plan_archive(journal: Archiving, before: datetime) -> ArchivePlan | None:
@@ -340,7 +528,7 @@ def sqlite_commit(conn: sqlite3.Connection, plan: ArchivePlan, file: str, archiv
     whole = plan.archive
     base = sqlite_archived_head(conn)
     if base != (plan.base_seq, plan.base_hash):
-        raise JournalError(f"another archive moved the start of the log to seq {base[0]} meanwhile; archive again")
+        raise StartMoved(f"another archive moved the start of the log to seq {base[0]} meanwhile; archive again")
     head = conn.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
     for seq, digest in {(plan.last_seq, plan.last_hash), (whole.last_seq, whole.last_hash)}:
         found = conn.execute("SELECT hash FROM events WHERE seq = ?", (seq,)).fetchone()
@@ -436,7 +624,7 @@ def postgres_commit(conn: psycopg.Connection[tuple[Any, ...]], plan: ArchivePlan
     tables' owner and records the head."""
     base = postgres_archived_head(conn)
     if base != (plan.base_seq, plan.base_hash):
-        raise JournalError(f"another archive moved the start of the log to seq {base[0]} meanwhile; archive again")
+        raise StartMoved(f"another archive moved the start of the log to seq {base[0]} meanwhile; archive again")
     approvals.keep_as_of(conn, "%s", plan.base_seq, plan.last_seq)
     conn.execute(_sql(_COPY_SETTLED, "%s").encode(), (plan.base_seq, plan.last_seq))
     archived = conn.execute(_sql(_MOVED_SNAPSHOT, "%s").encode(), (plan.last_seq,)).fetchall()

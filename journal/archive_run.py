@@ -28,12 +28,29 @@ from .projection import fold_row
 from .rows import CALL_COLUMNS, EVENT_COLUMNS
 from .sqlite import SQLiteJournal, schema
 
-__all__ = ["STEP", "check", "commit", "finish", "in_steps", "unfinished"]
+__all__ = ["STEP", "ArchivedMeanwhile", "check", "commit", "finish", "in_steps", "unfinished"]
 
 STEP = 5_000  # events a step removes: a guarded call waits for one step at most
 
 _EVENTS = ", ".join(EVENT_COLUMNS)
 _CALLS = ", ".join(CALL_COLUMNS)
+
+
+class ArchivedMeanwhile(JournalError):
+    """Another archive (``others``: what the journal recorded of it, to another file) let go of
+    events of ``plan`` before this one let go of any: this run removed nothing, so its ``file``
+    holds no event that is not in the other archive or still in the journal."""
+
+    def __init__(self, plan: ArchivePlan, file: str, others: list[archive.ArchiveRecord]) -> None:
+        self.plan, self.file, self.others = plan, file, others
+        named = "; ".join(o.describe() for o in others)
+        super().__init__(f"another archive, to {named}, took events of seq {plan.base_seq + 1} to {plan.last_seq} "
+                         f"meanwhile, before this one let go of any")
+
+    @property
+    def covered(self) -> bool:
+        """Whether the other archives hold every event this one was to archive."""
+        return max(o.upto_seq for o in self.others) >= self.plan.last_seq
 
 
 def in_steps(journal: ArchiveStore) -> bool:
@@ -60,11 +77,12 @@ def unfinished(journal: ArchiveStore) -> tuple[ArchivePlan, str] | None:
         conn.close()
 
 
-def finish(journal: ArchiveStore, rest: ArchivePlan, file: str) -> int:
+def finish(journal: ArchiveStore, rest: ArchivePlan, file: str, shared: list[int] | None = None) -> int:
     """Let go of the events an archive stopped half-way had not yet removed (``rest``, from
     :func:`unfinished`), in steps; returns how many. Raises :class:`JournalError`, changing
     nothing, when its ``file`` no longer ends with the archive's last event: the events would
-    then be nowhere else."""
+    then be nowhere else. ``shared`` (see :func:`commit`) gets the steps another process let go
+    of meanwhile: the archive was not stopped, but still running."""
     ends = _last_line(Path(file))
     if ends is None or (ends.get("seq"), ends.get("hash")) != (rest.last_seq, rest.last_hash):
         raise JournalError(f"the archive {file} was stopped before the journal let go of its events from seq "
@@ -76,18 +94,23 @@ def finish(journal: ArchiveStore, rest: ArchivePlan, file: str) -> int:
             break
         if (row[0] - rest.base_seq) % STEP == 0:
             marks.append((int(row[0]), str(row[15])))
-    return commit(journal, rest, marks, file, "")[0]
+    return commit(journal, rest, marks, file, "", shared)[0]
 
 
 def commit(journal: ArchiveStore, plan: ArchivePlan, marks: list[tuple[int, str]], file: str,
-           archived_at: str) -> tuple[int, int]:
+           archived_at: str, shared: list[int] | None = None) -> tuple[int, int]:
     """Remove the events of ``plan`` (written whole to ``file``) from ``journal``: in steps that
     end at ``marks`` where the store removes in steps, else at once. Returns how many events were
     removed, and how many free pages were given back to the file system on the way (each step's
     pages right after it, where the store can).
 
-    Raises :class:`JournalError` when a step fails; the steps before it stay done (the journal
-    verifies, and the next archive finishes the rest)."""
+    A step whose events are gone into ``file`` when it fails (it committed as the connection
+    broke, or another process finishing this same archive let go of them) counts as done; its
+    last ``seq`` is added to ``shared`` (when given) if another process's step did it.
+
+    Raises :class:`ArchivedMeanwhile` when another archive, to another file, took the first step's
+    events before this one let go of any; :class:`JournalError` when a step fails otherwise; the
+    steps before it stay done (the journal verifies, and the next archive finishes the rest)."""
     stepped = in_steps(journal)
     steps = archive.archive_steps(plan, marks) if stepped else [plan]
     reclaim = getattr(journal, "reclaim_space", None) if stepped else None
@@ -100,14 +123,31 @@ def commit(journal: ArchiveStore, plan: ArchivePlan, marks: list[tuple[int, str]
         started = time.monotonic()
         try:
             removed += journal.commit_archive(step, file, archived_at)
-        except JournalError:
-            if journal.archived_head() != (step.last_seq, step.last_hash):
-                raise
-            removed += step.events  # it committed as the connection broke
+        except JournalError as e:
+            recorded = archive.recorded_archives(journal)
+            if _step_done(recorded, step, file):
+                # It committed as the connection broke, or another process finishing this same
+                # archive (to this file) let go of the step's events: they are in the file.
+                removed += step.events
+                if shared is not None and isinstance(e, archive.StartMoved):
+                    shared.append(step.last_seq)  # another process's step let go of them
+                continue
+            others = [a for a in recorded if a.file != file and a.upto_seq > step.archive.base_seq]
+            if n == 0 and others and not any(a.file == file and a.upto_seq > plan.base_seq for a in recorded):
+                raise ArchivedMeanwhile(plan.archive, file, others) from e
+            raise
         if reclaim is not None:
             freed += int(reclaim())  # a few short transactions: the pause below covers them too
         took = time.monotonic() - started
     return removed, freed
+
+
+def _step_done(recorded: list[archive.ArchiveRecord], step: ArchivePlan, file: str) -> bool:
+    """Whether the journal has let go of the events of ``step`` into ``file``: the archive it
+    recorded to that file, of the same last event, starts the log at or past the step's end."""
+    whole = step.archive
+    return any(a.file == file and (a.upto_seq, a.upto_hash) == (whole.last_seq, whole.last_hash)
+               and a.last_seq >= step.last_seq for a in recorded)
 
 
 def _last_line(path: Path) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from .events import JournalEvent, at_text
 if TYPE_CHECKING:
     from .protocol import Journal
 
-__all__ = ["FORMAT", "checkpoint_problem", "make_checkpoint", "malformed"]
+__all__ = ["FORMAT", "archived_start", "checkpoint_problem", "line_problem", "make_checkpoint", "malformed"]
 
 FORMAT = "airlock-journal checkpoint 1"
 
@@ -61,10 +61,38 @@ def malformed(checkpoint: Mapping[str, Any]) -> str | None:
     return None
 
 
+def archived_start(journal: Journal, checkpoint: Mapping[str, Any]) -> int | None:
+    """The ``seq`` of the last event ``journal`` has archived (let go of into an archive file),
+    when the checkpoint's ``seq`` is one of them: the journal alone cannot check it; None otherwise."""
+    seq = checkpoint["seq"]
+    archived_head = getattr(journal, "archived_head", None)
+    if not seq or archived_head is None:
+        return None
+    start = int(archived_head()[0])
+    return start if seq <= start else None
+
+
+def line_problem(checkpoint: Mapping[str, Any], seq_hash: str, at: str | None, where: str) -> str | None:
+    """Why event ``seq`` as ``where`` holds it (its ``hash`` and ``at``) does not match
+    ``checkpoint``, as a sentence; None when it does."""
+    seq, head_hash, made_at = checkpoint["seq"], checkpoint["hash"], checkpoint.get("at")
+    if seq_hash != head_hash:
+        return (f"event seq {seq} in {where} has the hash {seq_hash}, not the checkpoint's {head_hash}: the log has "
+                f"been rewritten at or before seq {seq} since the checkpoint")
+    if made_at is not None and at != made_at:
+        return (f"event seq {seq} in {where} is at {at}, not at the checkpoint's {made_at}: the checkpoint has "
+                "been altered")
+    return None
+
+
 def checkpoint_problem(journal: Journal, checkpoint: Mapping[str, Any]) -> str | None:
     """Why ``journal`` no longer matches ``checkpoint`` (which :func:`malformed` accepts), as a
-    sentence; None when its event ``seq`` is there with the checkpoint's ``hash`` (and ``at``)."""
-    seq, head_hash, at = checkpoint["seq"], checkpoint["hash"], checkpoint.get("at")
+    sentence; None when its event ``seq`` is there with the checkpoint's ``hash`` (and ``at``).
+
+    A checkpoint whose ``seq`` the journal has archived cannot be checked against the journal
+    alone (:func:`archived_start` tells it): the sentence then says so, and that the archives
+    check it; it is no sign of tampering."""
+    seq = checkpoint["seq"]
     if seq == 0:
         return None
     event = _event_at(journal, seq)
@@ -73,10 +101,15 @@ def checkpoint_problem(journal: Journal, checkpoint: Mapping[str, Any]) -> str |
         if end < seq:
             return (f"the log ends at seq {end}, before the checkpoint's seq {seq}: events have been removed "
                     "from the end since the checkpoint")
+        start = archived_start(journal, checkpoint)
+        if start is not None:
+            return (f"its seq {seq} was archived (the log starts after seq {start}): check the checkpoint against "
+                    "the archives (verify --checkpoint FILE --export ARCHIVE ... --db JOURNAL)")
         return f"the log has no event seq {seq}, which the checkpoint records"
-    if event.hash != head_hash:
-        return (f"event seq {seq} has the hash {event.hash}, not the checkpoint's {head_hash}: the log has been "
-                f"rewritten at or before seq {seq} since the checkpoint")
+    if event.hash != checkpoint["hash"]:
+        return (f"event seq {seq} has the hash {event.hash}, not the checkpoint's {checkpoint['hash']}: the log has "
+                f"been rewritten at or before seq {seq} since the checkpoint")
+    at = checkpoint.get("at")
     if at is not None and at_text(event.at) != at:
         return (f"event seq {seq} is at {at_text(event.at)}, not at the checkpoint's {at}: the checkpoint has "
                 "been altered")

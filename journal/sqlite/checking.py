@@ -30,9 +30,14 @@ class _UnreadableRow(Exception):
 
 def _readable(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
     """The projection ``rows`` a rebuild compares with the fold; :class:`_UnreadableRow` when one
-    holds a text that is not UTF-8."""
+    holds a text that is not UTF-8.
+
+    A plain loop, not ``yield from``: closing this generator (an interrupted rebuild, after the
+    connection was closed) would otherwise close the cursor too, which then raises on the closed
+    connection and is printed as an exception ignored."""
     try:
-        yield from rows
+        for row in rows:  # noqa: UP028
+            yield row
     except sqlite3.OperationalError as e:
         if "Could not decode to UTF-8" in str(e):
             raise _UnreadableRow from e
