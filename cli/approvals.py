@@ -14,7 +14,7 @@ from journal.errors import JournalError
 
 from . import render
 from .listing import chosen_format, delimited, listing_options
-from .options import TEXT, db_option, echo, echo_bytes, json_option
+from .options import TEXT, db_option, echo, echo_bytes, json_option, reason_text
 
 # More requests than any journal holds, and within the 64-bit integers SQL takes for LIMIT.
 _MOST = 2**62
@@ -136,16 +136,10 @@ def _decide(call_id: str, approve: bool, operator: str | None, reason: str | Non
         echo("The call's retries are refused escalation_denied with this reason.")
 
 
-def _reason_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value is not None and not value.strip():
-        raise click.BadParameter("say why: the reason is part of the audit trail", ctx, param)
-    return value
-
-
 @click.command()
 @click.argument("call_id", type=TEXT)
 @click.option("--operator", type=TEXT, help="Who approves. [default: your login name]")
-@click.option("--reason", type=TEXT, callback=_reason_text, help="Why (kept in the audit trail).")
+@click.option("--reason", type=TEXT, callback=reason_text, help="Why (kept in the audit trail).")
 @click.option("--request", "request_id", type=TEXT, help="Only if this is the call's open request.")
 @json_option
 @db_option
@@ -167,7 +161,7 @@ def approve(call_id: str, operator: str | None, reason: str | None, request_id: 
 
 @click.command()
 @click.argument("call_id", type=TEXT)
-@click.option("--reason", type=TEXT, required=True, callback=_reason_text,
+@click.option("--reason", type=TEXT, required=True, callback=reason_text,
               help="Why (required): the agent's retries are refused with it.")
 @click.option("--operator", type=TEXT, help="Who denies. [default: your login name]")
 @click.option("--request", "request_id", type=TEXT, help="Only if this is the call's open request.")

@@ -39,8 +39,10 @@ from .options import (
     describe,
     echo,
     echo_bytes,
+    json_levels,
     json_option,
     output_failed,
+    reason_text,
 )
 
 T = TypeVar("T")
@@ -333,17 +335,6 @@ def default_operator() -> str:
 MOST_VALUE_LEVELS = 250
 
 
-def _levels(value: Any) -> int:
-    """How deeply arrays and objects nest in ``value`` (0 for a scalar), without recursing."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (list, dict)):
-            deepest = max(deepest, depth + 1)
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
 def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
@@ -358,7 +349,7 @@ def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) ->
         if value.strip() and value.strip()[0] not in '{["-0123456789':  # a bare word: meant as a string
             hint = f"; a string is given in JSON's quotes: --value {shlex.quote(orjson.dumps(value.strip()).decode())}"
         raise click.BadParameter(f"{value!r} is not JSON ({e}){hint}", ctx, param) from e
-    if _levels(parsed) > MOST_VALUE_LEVELS:
+    if json_levels(parsed) > MOST_VALUE_LEVELS:
         raise too_deep
     problem = unfaithful_json(value)
     if problem is not None:  # stored, it would not be the value written
@@ -367,19 +358,13 @@ def _json_text(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return orjson.dumps(parsed, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def _reason_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value is not None and not value.strip():
-        raise click.BadParameter("say why: the reason is part of the audit trail", ctx, param)
-    return value
-
-
 @journal.command()
 @click.argument("call_id", type=TEXT)
 @click.option("--applied", is_flag=True, help="The backend confirms the effect happened: record it committed.")
 @click.option("--not-applied", is_flag=True, help="The backend confirms it did not happen: release the call.")
 @click.option("--value", type=TEXT, callback=_json_text, metavar="JSON",
               help="With --applied: the tool's result as JSON, which replays then return.")
-@click.option("--reason", type=TEXT, required=True, callback=_reason_text,
+@click.option("--reason", type=TEXT, required=True, callback=reason_text,
               help="Why: what the backend said (required).")
 @click.option("--operator", type=TEXT, help="Who settles it. [default: your login name]")
 @click.option("--force", is_flag=True, help="Settle a pending call even though its owner process still runs.")

@@ -394,3 +394,21 @@ class FieldList(FieldsType):
                 ctx,
             )
         return frozenset(names)
+
+
+def json_levels(value: Any) -> int:
+    """How deeply arrays and objects nest in ``value`` (0 for a scalar), without recursing."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def reason_text(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--reason``: any text but an empty one, which is a usage error (the reason is kept)."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("say why: the reason is part of the audit trail", ctx, param)
+    return value

@@ -10,7 +10,6 @@ a session (401); :func:`~.auth.read_form` refuses a form without the session's C
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 import orjson
 from starlette.concurrency import run_in_threadpool
@@ -23,6 +22,7 @@ from guard.store import format_at, utc_now
 from journal.errors import CallNotFound, NotResolvable
 from journal.rows import unfaithful_json
 
+from ..options import json_levels
 from ..render import printable
 from . import reads, shown
 from .auth import read_form
@@ -36,17 +36,6 @@ OUTCOMES = {"applied": "Resolve as applied", "not_applied": "Resolve as not appl
 DECISIONS = {"approve": "Approve", "deny": "Deny"}
 
 
-def _levels(value: Any) -> int:
-    """How deeply arrays and objects nest in ``value``, without recursing."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (list, dict)):
-            deepest = max(deepest, depth + 1)
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
 def value_json(text: str) -> tuple[str | None, str | None]:
     """The value an operator typed as canonical JSON text, or why it cannot be stored (the checks
     of ``resolve --value``)."""
@@ -55,7 +44,7 @@ def value_json(text: str) -> tuple[str | None, str | None]:
     except orjson.JSONDecodeError as e:
         return None, (f"The value is not JSON ({e}). A text is written in JSON's double quotes, "
                       f"{orjson.dumps(text.strip()).decode()}; an object as {{\"charge_id\": \"ch_1\"}}.")
-    if _levels(parsed) > MOST_VALUE_LEVELS:
+    if json_levels(parsed) > MOST_VALUE_LEVELS:
         return None, f"The value nests arrays or objects too deeply to be stored (at most {MOST_VALUE_LEVELS} levels)."
     problem = unfaithful_json(text)
     if problem is not None:
