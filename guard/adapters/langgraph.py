@@ -153,6 +153,16 @@ def _refusal_of(result: Any) -> Refusal | None:
     return None
 
 
+def _finished(request: ToolCallRequest, tool: _Guarded | None, result: Any, interrupt_on_approval: bool) -> Any:
+    """What LangGraph's own run of the tool came to: its message, a refusal of the guarded call as an
+    error message, or, with ``interrupt_on_approval``, the interrupt of a call that waits for approval."""
+    settled = _settled(request, tool, result)
+    pending = _refusal_of(settled) if interrupt_on_approval else None
+    if pending is not None:
+        return _interrupt_for(request, Outcome(refusal_text(pending), True, pending))
+    return settled
+
+
 def airlock_tool_call(
     request: ToolCallRequest | None = None,
     execute: Callable[[ToolCallRequest], ToolMessage | Command[Any]] | None = None,
@@ -198,11 +208,7 @@ def airlock_tool_call(
                 result = _as_error(request, blocked.refusal)
             else:
                 raise
-    settled = _settled(request, tool, result)
-    pending = _refusal_of(settled) if interrupt_on_approval else None
-    if pending is not None:
-        return _interrupt_for(request, Outcome(refusal_text(pending), True, pending))
-    return settled
+    return _finished(request, tool, result, interrupt_on_approval)
 
 
 def airlock_atool_call(
@@ -245,8 +251,4 @@ async def _atool_call(
                 result = _as_error(request, blocked.refusal)
             else:
                 raise
-    settled = _settled(request, tool, result)
-    pending = _refusal_of(settled) if interrupt_on_approval else None
-    if pending is not None:
-        return _interrupt_for(request, Outcome(refusal_text(pending), True, pending))
-    return settled
+    return _finished(request, tool, result, interrupt_on_approval)
