@@ -18,16 +18,16 @@ import click
 import orjson
 from click.core import ParameterSource
 
-from guard.store import CallRecord, format_at
+from guard.store import format_at
 from journal import Journal, open_journal
 from journal.archive import archive_holding, archived_call_last_seq, recorded_archives
 from journal.chain import GAP, verify_lines
-from journal.events import REDACTABLE, JournalEvent, VerifyReport
-from journal.projection import fold
+from journal.events import REDACTABLE, VerifyReport
 from journal.rows import unfaithful_json
 from journal.signing import SigningKey
 
 from . import approvals, archive, audit, console, prometheus, reconcile, render
+from .console.reads import call_and_events
 from .export import NotJsonLines, read_export, write_events, write_file
 from .listing import STATS_COLUMNS, chosen_format, delimited, listing_options, stats_rows
 from .options import (
@@ -250,25 +250,9 @@ def pending_owners(j: Journal) -> dict[str, int]:
     return {"pending_owner_alive": alive, "pending_owner_gone": len(records) - alive}
 
 
-def _call_and_events(j: Journal, call_id: str) -> tuple[CallRecord | None, list[JournalEvent]]:
-    """The call's record and its events as of one moment, while writers go on.
-
-    The record is read before and after the events: when both reads agree, no event that moves
-    the record came in meanwhile, so the events show how the record came to be. A call that keeps
-    changing faster than that is shown as the fold of the events read.
-    """
-    for _ in range(10):
-        before = j.call(call_id)
-        events = j.call_events(call_id)
-        after = j.call(call_id)
-        if before == after:
-            return after, events
-    return fold(events).get(call_id), events
-
-
 def _show_call(call_id: str, as_json: bool, db: str) -> None:
     with open_journal(db, readonly=True, create=False) as j:
-        record, events = _call_and_events(j, call_id)
+        record, events = call_and_events(j, call_id)
         state = j.owner_states([record]).get(call_id) if record is not None else None
         archived = _archived_events(j, call_id) if record is not None else None
     if record is None and not events:
