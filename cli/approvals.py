@@ -14,7 +14,7 @@ from journal.errors import JournalError
 
 from . import render
 from .listing import chosen_format, delimited, listing_options
-from .options import TEXT, db_option, echo, echo_bytes, json_option, reason_text
+from .options import TEXT, db_option, default_operator, echo, echo_bytes, json_option, reason_text
 
 # More requests than any journal holds, and within the 64-bit integers SQL takes for LIMIT.
 _MOST = 2**62
@@ -105,8 +105,6 @@ def approvals(status: str | None, tool: str | None, limit: int, offset: int, eve
 
 def _decide(call_id: str, approve: bool, operator: str | None, reason: str | None, request_id: str | None,
             as_json: bool, db: str) -> None:
-    from .journal import default_operator
-
     name = default_operator() if operator is None else operator.strip()
     if not name:
         raise click.BadParameter("name who decides", param_hint="--operator")

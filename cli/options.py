@@ -1,9 +1,11 @@
 """What every command shares: the command group that turns journal errors into one line, the
-``--db`` and ``--json`` options, and the parameter types for moments and field lists."""
+``--db`` and ``--json`` options, the parameter types for moments and field lists, and who is at
+the keyboard when ``--operator`` is not given."""
 
 from __future__ import annotations
 
 import errno
+import getpass
 import io
 import os
 import re
@@ -396,6 +398,11 @@ class FieldList(FieldsType):
         return frozenset(names)
 
 
+# The deepest value ``resolve --value`` and the console take: orjson writes at most 254 levels, and
+# a call's page wraps a value in a few more.
+MOST_VALUE_LEVELS = 250
+
+
 def json_levels(value: Any) -> int:
     """How deeply arrays and objects nest in ``value`` (0 for a scalar), without recursing."""
     deepest, stack = 0, [(value, 0)]
@@ -412,3 +419,12 @@ def reason_text(ctx: click.Context, param: click.Parameter, value: str | None) -
     if value is not None and not value.strip():
         raise click.BadParameter("say why: the reason is part of the audit trail", ctx, param)
     return value
+
+
+def default_operator() -> str:
+    """Who is at the keyboard: the login name, else ``uid:N``."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):
+        name = ""
+    return name or f"uid:{os.getuid()}"

@@ -22,7 +22,7 @@ from guard.store import format_at, utc_now
 from journal.errors import CallNotFound, NotResolvable
 from journal.rows import unfaithful_json
 
-from ..options import json_levels
+from ..options import MOST_VALUE_LEVELS, json_levels
 from ..render import printable
 from . import reads, shown
 from .auth import read_form
@@ -30,8 +30,6 @@ from .pages import console_of, page
 
 __all__ = ["decide", "resolve"]
 
-# As ``resolve --value``: orjson writes at most 254 levels, and a call's page wraps a value in a few more.
-MOST_VALUE_LEVELS = 250
 OUTCOMES = {"applied": "Resolve as applied", "not_applied": "Resolve as not applied"}
 DECISIONS = {"approve": "Approve", "deny": "Deny"}
 

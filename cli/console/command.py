@@ -22,7 +22,7 @@ from journal import Journal, open_journal
 from journal.errors import JournalNotFound
 from journal.events import REDACTABLE
 
-from ..options import TEXT, FieldList, db_option, describe, journal_target, then
+from ..options import TEXT, FieldList, db_option, default_operator, describe, journal_target, then
 
 __all__ = ["console_url", "listen", "serve"]
 
@@ -114,8 +114,6 @@ def serve(ctx: click.Context, dsn: str | None, host: str, port: int, allow_write
     \b
         airlock journal serve --dsn postgresql://airlock@db.internal/airlock --allow-write --operator alice
     """
-    from ..journal import default_operator  # cli.journal registers this command: imported when it runs
-
     if dsn is not None:
         if ctx.get_parameter_source("db") is ParameterSource.COMMANDLINE:
             raise click.UsageError("give the journal once: --db PATH_OR_URL or --dsn URL")
