@@ -7,8 +7,9 @@ earlier call would answer a retry of itself: its stored value (``replayed``), or
 doubt gets (``refused``); each event on the new id with ``reason = {"code": "duplicate_of",
 "message": <the earlier call's id>}``. The tool does not run.
 
-The lookup is a store's optional ``recent_call(agent_id, idempotency_key, since)``; a store
-without it cannot be given a window (``EffectGuard`` says so when it is made).
+The lookup is a store's optional ``recent_call(agent_id, idempotency_key, since)``
+(:class:`~guard.store.RecentCalls`); a store without it cannot be given a window (``EffectGuard``
+says so when it is made).
 """
 
 from __future__ import annotations
@@ -16,25 +17,30 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from .store import GUARD_ACTOR, CallRecord, Decision, EffectEvent, Verdict, current_owner, format_at, utc_now
+from .store import (
+    GUARD_ACTOR,
+    CallRecord,
+    Decision,
+    EffectEvent,
+    RecentCalls,
+    Verdict,
+    current_owner,
+    format_at,
+    utc_now,
+)
 
-__all__ = ["DUPLICATE_OF", "decide_duplicate", "earlier_call", "finds_recent_calls"]
+__all__ = ["DUPLICATE_OF", "decide_duplicate", "earlier_call"]
 
 DUPLICATE_OF = "duplicate_of"
 
 
-def finds_recent_calls(store: Any) -> bool:
-    """Whether ``store`` has the lookup a duplicate window needs."""
-    return callable(getattr(store, "recent_call", None))
-
-
 def earlier_call(
-    store: Any, window: float, call_id: str, agent_id: str | None, key: str, now: datetime | None = None
+    store: RecentCalls, window: float, call_id: str, agent_id: str | None, key: str, now: datetime | None = None
 ) -> CallRecord | None:
     """The most recent call of ``agent_id`` with idempotency key ``key`` begun within ``window``
     seconds and not released, other than ``call_id`` itself; None when there is none."""
     since = (now or utc_now()) - timedelta(seconds=window)
-    record: CallRecord | None = store.recent_call(agent_id, key, since)
+    record = store.recent_call(agent_id, key, since)
     if record is None or record.call_id == call_id:
         return None
     return record

@@ -7,16 +7,19 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
+from .approvals import ApprovalStore
 from .canonical import idempotency_key
-from .duplicates import finds_recent_calls
-from .leases import LeaseStore
+from .leases import LeaseStore, Leasing, leases_in_begin
 from .memory import InMemoryEffectStore
 from .store import (
     GUARD_ACTOR,
+    AsyncOffload,
     CallRecord,
     Decision,
     EffectEvent,
     EffectStore,
+    RecentCalls,
+    SettlingStore,
     Verdict,
     current_owner,
     format_at,
@@ -49,6 +52,7 @@ _RETAG_ATTR = "__airlock_retag__"
 # never lost between the two; a call whose tags are cached never takes it.
 TAGS_LOCK = threading.RLock()
 if hasattr(os, "register_at_fork"):  # a child must not wait for a thread of its parent that it lacks
+    # typeshed does not declare the lock's own reinit, which threading uses for its locks at a fork.
     os.register_at_fork(after_in_child=TAGS_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
 # An enum member costs a class attribute lookup each time on Python 3.11; the hot path keeps them.
 _RUN, _REPLAY, _REFUSE = Verdict.RUN, Verdict.REPLAY, Verdict.REFUSE
@@ -128,13 +132,12 @@ def tag_along(fn: Callable[..., Any], attr: str, merge: Callable[[Any], Any], be
 def reversibility_of(fn: Callable[..., Any]) -> Reversibility:
     """The strictest tag along the ``__wrapped__`` chain, with those put on decorators above a
     guarded tool of the chain; an untagged tool is irreversible."""
-    best: str | None = None
+    best: Reversibility | None = None
     for obj in wrapped_chain(fn):
         for tag in (getattr(obj, _REVERSIBILITY_ATTR, None), getattr(obj, _ABOVE_ATTR, None)):
             if tag in _RANK and (best is None or _RANK[tag] > _RANK[best]):
                 best = tag
-    result: Reversibility = "irreversible" if best is None else best  # type: ignore[assignment]
-    return result
+    return "irreversible" if best is None else best
 
 
 class EffectGuard:
@@ -159,6 +162,13 @@ class EffectGuard:
             call (a re-planned copy). None: off.
         on_event: called with each event the guard journaled, after it is stored, off the tool's
             path; an exception in it is logged, never raised into the call.
+
+    What the store can do beyond :class:`EffectStore` is read here, once (each attribute is the
+    store itself, typed as the capability, or None): ``settling`` (a
+    :class:`~guard.store.SettlingStore`), ``recent_calls`` (:class:`~guard.store.RecentCalls`),
+    ``offload`` (:class:`~guard.store.AsyncOffload`, whose flag is read at each call),
+    ``approvals`` (:class:`~guard.approvals.ApprovalStore`); and ``leasing``, the calls' leases
+    when ``lease`` is given (:class:`~guard.leases.Leasing`).
     """
 
     def __init__(
@@ -193,18 +203,27 @@ class EffectGuard:
             if not (isinstance(error, type) and issubclass(error, BaseException)):
                 raise TypeError(f"ambiguous_errors takes exception classes, not {error!r}")
         self.reconcile_on_retry = bool(reconcile_on_retry)
+        store = self.store
+        # Declared by the store, or found on it by its methods: either way once, not at each call.
+        self.settling: SettlingStore | None = store if isinstance(store, SettlingStore) else None
+        self.recent_calls: RecentCalls | None = store if isinstance(store, RecentCalls) else None
+        self.offload: AsyncOffload | None = store if isinstance(store, AsyncOffload) else None
+        self.approvals: ApprovalStore | None = store if isinstance(store, ApprovalStore) else None
         self.lease: float | None = _seconds("lease", lease)
-        if self.lease is not None and not isinstance(self.store, LeaseStore):
-            raise TypeError(f"lease needs a store that keeps leases (SQLiteJournal, PostgresJournal, "
-                            f"InMemoryEffectStore, or one with the methods of guard.leases.LeaseStore), not "
-                            f"{type(self.store).__name__}")
+        self.leasing: Leasing | None = None
+        if self.lease is not None:
+            if not isinstance(store, LeaseStore):
+                raise TypeError(f"lease needs a store that keeps leases (SQLiteJournal, PostgresJournal, "
+                                f"InMemoryEffectStore, or one with the methods of guard.leases.LeaseStore), not "
+                                f"{type(store).__name__}")
+            self.leasing = Leasing(store, self.lease, store if leases_in_begin(store) else None)
         if id_scope not in ("global", "agent"):
             raise ValueError(f"id_scope is 'global' or 'agent', not {id_scope!r}")
         self.id_scope: Literal["global", "agent"] = id_scope
         self.duplicate_window: float | None = _seconds("duplicate_window", duplicate_window)
-        if self.duplicate_window is not None and not finds_recent_calls(self.store):
+        if self.duplicate_window is not None and self.recent_calls is None:
             raise TypeError(f"duplicate_window needs a store that can look calls up by agent and idempotency key "
-                            f"(a recent_call method), which {type(self.store).__name__} has not")
+                            f"(a recent_call method), which {type(store).__name__} has not")
         if on_event is not None and not callable(on_event):
             raise TypeError(f"on_event takes a callable (called with each journaled event), not {on_event!r}")
         self.on_event = on_event

@@ -5,6 +5,9 @@ every third of its length; the call's owner is *alive* while the lease has not r
 store's clock, and *gone* after, whatever host or PID namespace it ran in. A lease is operational
 state beside the log, never an event. A store that keeps leases has the methods of
 :class:`LeaseStore`; a ``pending`` call that never had one is judged by its owner's host and pid.
+An effect guard with a ``lease`` takes, renews and drops its calls' leases through one
+:class:`Leasing`, in the store's own transactions where it takes them there
+(:class:`~guard.store.LeasesInBegin`).
 """
 
 from __future__ import annotations
@@ -15,20 +18,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
-from .store import CallRecord, EffectEvent
+from .store import CallRecord, LeasesInBegin, Settle, SettlingStore
 
-__all__ = ["LeaseStore", "OwnerState", "Settle", "Renewer", "renewer"]
+__all__ = ["LeaseStore", "Leasing", "OwnerState", "Settle", "Renewer", "leases_in_begin", "renewer"]
 
 log = logging.getLogger("guard")
-
-# The callback of :meth:`LeaseStore.settle`: given the call's record (None for a call never seen),
-# the event to append, or None.
-Settle = Callable[[CallRecord | None], EffectEvent | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +41,9 @@ class OwnerState:
 
 
 @runtime_checkable
-class LeaseStore(Protocol):
-    """What a store that keeps leases provides beside :class:`~guard.store.EffectStore`.
+class LeaseStore(SettlingStore, Protocol):
+    """What a store that keeps leases provides beside :class:`~guard.store.EffectStore`; it settles
+    calls too (:class:`~guard.store.SettlingStore`), as a check that claimed a call must.
 
     - ``take_lease``: record (or extend) ``holder``'s lease on the call for ``seconds``.
     - ``renew_lease``: extend it; False when the holder has no lease on the call any more.
@@ -53,9 +53,7 @@ class LeaseStore(Protocol):
       that no longer runs; an owner on another host cannot be seen, so such a call is not
       claimed); True when taken. At most one holder at a time gets a claim, across threads and
       processes.
-    - ``settle``: in one atomic step, read the call's record, let the callback choose the event, and
-      append it; returns the ``seq`` appended, or None when the callback chose
-      none. What the callback raises is raised, and nothing is appended.
+    - ``settle``: see :class:`~guard.store.SettlingStore`.
     - ``owner_states``: the :class:`OwnerState` of each of the records given.
     """
 
@@ -66,8 +64,6 @@ class LeaseStore(Protocol):
     def drop_lease(self, call_id: str, holder: str) -> None: ...
 
     def claim_lease(self, call_id: str, holder: str, seconds: float) -> bool: ...
-
-    def settle(self, call_id: str, choose: Settle) -> int | None: ...
 
     def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]: ...
 
@@ -136,3 +132,53 @@ class Renewer:
 renewer = Renewer()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=renewer._forked)
+
+
+def leases_in_begin(store: object) -> TypeGuard[LeasesInBegin]:
+    """Whether ``store`` takes a call's lease in its ``begin`` and drops it with its outcome, in the
+    same transactions (a :class:`~guard.store.LeasesInBegin` whose ``leases_in_begin`` is True)."""
+    return isinstance(store, LeasesInBegin) and store.leases_in_begin is True
+
+
+class Leasing:
+    """The leases of one guard's calls on its store: taken as a call begins (by the store's own
+    ``begin`` where it takes them there: ``in_begin``), renewed by :data:`renewer` while the tool
+    runs, dropped with its outcome. ``seconds`` is the length of each."""
+
+    __slots__ = ("in_begin", "seconds", "store")
+
+    def __init__(self, store: LeaseStore, seconds: float, in_begin: LeasesInBegin | None) -> None:
+        self.store = store
+        self.seconds = seconds
+        self.in_begin = in_begin
+
+    def take(self, call_id: str) -> str:
+        """A lease on ``call_id`` for a call about to begin, left to the store's ``begin`` where it
+        takes it there; returns its holder's token."""
+        holder = uuid.uuid4().hex
+        if self.in_begin is None:
+            self.store.take_lease(call_id, holder, self.seconds)
+        return holder
+
+    def take_now(self, call_id: str) -> str:
+        """A lease on ``call_id`` taken at once (before a step of the store that takes none);
+        returns its holder's token."""
+        holder = uuid.uuid4().hex
+        self.store.take_lease(call_id, holder, self.seconds)
+        return holder
+
+    def keep(self, call_id: str, holder: str) -> None:
+        """Renew the lease while the tool runs."""
+        renewer.hold(self.store, call_id, holder, self.seconds)
+
+    def stop_renewing(self, call_id: str, holder: str) -> None:
+        """Stop renewing a lease the store has dropped."""
+        renewer.let_go(self.store, call_id, holder)
+
+    def let_go(self, call_id: str, holder: str) -> None:
+        """Stop renewing the lease and drop it; a failure is logged (the lease then runs out)."""
+        renewer.let_go(self.store, call_id, holder)
+        try:
+            self.store.drop_lease(call_id, holder)
+        except Exception as e:
+            log.warning("could not drop the lease of %s (it runs out by itself): %r", call_id, e)

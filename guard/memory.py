@@ -7,9 +7,9 @@ import time
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from .approvals import ApprovalRequest, ApprovalStep, T, apply_approval, approval_event
-from .leases import OwnerState, Settle
-from .store import CallRecord, Decide, Decision, EffectEvent, apply, utc_now
+from .approvals import ApprovalRequest, ApprovalStep, ApprovalStore, T, apply_approval, approval_event
+from .leases import LeaseStore, OwnerState, Settle
+from .store import AsyncOffload, CallRecord, Decide, Decision, EffectEvent, EffectStore, RecentCalls, apply, utc_now
 
 __all__ = ["InMemoryEffectStore"]
 
@@ -22,8 +22,15 @@ def _named_lease(record: CallRecord | None) -> str | None:
     return holder if isinstance(holder, str) else None
 
 
-class InMemoryEffectStore:
-    """An :class:`EffectStore` in this process's memory. Two processes do not see each other's calls."""
+class InMemoryEffectStore(EffectStore, LeaseStore, RecentCalls, AsyncOffload, ApprovalStore):
+    """An :class:`EffectStore` in this process's memory. Two processes do not see each other's calls.
+
+    It keeps leases and settles calls (:class:`~guard.leases.LeaseStore`), looks calls up for a
+    duplicate window (:class:`~guard.store.RecentCalls`) and keeps approvals
+    (:class:`~guard.approvals.ApprovalStore`); its work is quick and made in the caller's thread.
+    """
+
+    offload_async = False  # nothing here waits for a network: made in the event loop's thread
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .store import AsyncOffload
+
 __all__ = ["WORKERS", "offloaded", "offloads"]
 
 #: Threads of the pool; each holds one store call at a time (a write waiting for a lock or a server).
@@ -26,9 +28,10 @@ _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
 
 
-def offloads(store: Any) -> bool:
-    """Whether ``store`` asks for its work to be made off the event loop (``offload_async = True``)."""
-    return getattr(store, "offload_async", False) is True
+def offloads(store: AsyncOffload | None) -> bool:
+    """Whether ``store`` (an effect guard's :attr:`~guard.effect_guard.EffectGuard.offload`) asks now
+    for its work to be made off the event loop (``offload_async = True``)."""
+    return store is not None and store.offload_async is True
 
 
 def _pool() -> ThreadPoolExecutor:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
-from .approvals import ApprovalQueue, ApprovalStore
+from .approvals import ApprovalQueue
 from .effect_guard import EffectGuard, tag_along, wrapped_chain
 from .oversight import Approver
 
@@ -58,7 +58,7 @@ class SecurityPolicy:
             if effect_guard is None:
                 raise TypeError("an ApprovalQueue keeps its requests in the effect guard's store: give the "
                                 "policy an effect_guard=EffectGuard(store=...)")
-            if not isinstance(effect_guard.store, ApprovalStore):
+            if effect_guard.approvals is None:
                 raise TypeError(f"an ApprovalQueue needs a store that keeps approvals (InMemoryEffectStore, "
                                 f"SQLiteJournal, PostgresJournal), not {type(effect_guard.store).__name__}")
         self.approver = approver

@@ -165,9 +165,9 @@ def reconciler_of(fn: Callable[..., Any]) -> Check | None:
     """
     for obj in wrapped_chain(fn):
         for attr in (_ABOVE_ATTR, _CHECK_ATTR):
-            check = getattr(obj, attr, None)
+            check: Check | None = getattr(obj, attr, None)
             if callable(check):
-                return check  # type: ignore[no-any-return]
+                return check
     return None
 
 
@@ -243,7 +243,7 @@ def run_check(check: Check, call: InDoubtCall, timeout: float = DEFAULT_CHECK_TI
     valid UTF-8, or an object whose ``str()`` raises), or does not answer in time.
     """
     name = check_name(check)
-    answer: list[Any] = []
+    answer: list[Verdict] = []
     failure: list[BaseException] = []
 
     def body() -> None:
@@ -269,7 +269,7 @@ def run_check(check: Check, call: InDoubtCall, timeout: float = DEFAULT_CHECK_TI
         if isinstance(e, CheckFailed):
             raise e
         raise CheckFailed(f"the check {name} raised {_said(e)}") from e
-    return answer[0]  # type: ignore[no-any-return]
+    return answer[0]
 
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:

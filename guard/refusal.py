@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["AirlockBlocked", "BlockReason", "Refusal", "is_refusal", "make_refusal"]
+__all__ = ["AirlockBlocked", "BlockReason", "FIX_HINTS", "Refusal", "is_refusal", "make_refusal"]
 
 
 class BlockReason(StrEnum):
@@ -22,6 +22,53 @@ class BlockReason(StrEnum):
     EFFECT_STATUS_UNKNOWN = "effect_status_unknown"
     REPLAY_VALUE_UNAVAILABLE = "replay_value_unavailable"
     STORE_UNAVAILABLE = "store_unavailable"
+
+
+# The fix_hints of the guard's refusals, by code (or by violation_type, which says more).
+FIX_HINTS: dict[str, tuple[str, ...]] = {
+    "policy_violation": (
+        "Do not call this tool again in this session; choose an allowed tool.",
+    ),
+    "tool_call_id_reused": (
+        "Send a new tool call with a fresh id for a different call.",
+        "To retry the earlier call, send exactly the same tool and arguments.",
+    ),
+    "capability_denied": ("Ask an operator to grant the capability, or use a tool that does not need it.",),
+    "escalation_required": ("Ask an operator to configure an approver for this tool; do not retry until then.",),
+    "escalation_denied": ("Do not retry this call unchanged; tell the user it was not approved.",),
+    "tool_call_id_required": (
+        "The host must run this tool inside AirlockContext(metadata={'tool_call_id': ...}), the id a "
+        "non-empty string.",
+    ),
+    "target_args_required": ("Name the target explicitly and call again.",),
+    "arguments_not_canonical": (
+        "Pass arguments that fit the tool's signature and have a JSON form: "
+        "strings, numbers, booleans, null, lists and objects (no NaN or infinity, and integers within "
+        "64 bits: from -2**63 to 2**64 - 1).",
+    ),
+    "arguments_invalid": (  # an adapter's: the model's arguments do not fit the tool's parameters
+        "Call the tool again with a JSON object of arguments that fits its parameters; the error says "
+        "which one did not.",
+    ),
+    "effect_status_unknown": (
+        "Do not retry this call.",
+        "Ask the backend whether the operation with this idempotency key took effect.",
+        "An operator can settle it with `airlock journal resolve`.",
+    ),
+    "replay_value_unavailable": (
+        "Do not retry this call: it already took effect.",
+        "Look up its result in the backend if you need it.",
+    ),
+    "store_unavailable": ("Try again later; the tool was not run.",),
+    "approval_pending": (
+        "Tell the user the call waits for an operator's approval.",
+        "Retry with the same tool_call_id and the same arguments after the operator decides.",
+    ),
+    "tool_call_id_ambiguous": (
+        "Do not retry this call: it may already have run under its earlier id.",
+        "Send a new tool call with a fresh id for a new call.",
+    ),
+}
 
 
 class Refusal(dict[str, Any]):

@@ -1,5 +1,5 @@
-"""The guard's side of leases and reconcilers: a call's lease while its tool runs, and the check a
-retry runs on a call in doubt before it is refused (``EffectGuard(reconcile_on_retry=True)``)."""
+"""The guard's side of reconcilers: the check a retry runs on a call in doubt before it is refused
+(``EffectGuard(reconcile_on_retry=True)``), and the settlement it appends."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .canonical import to_json_value
-from .leases import LeaseStore, renewer
+from .leases import LeaseStore
 from .reconcile import (
     DEFAULT_CHECK_TIMEOUT,
     Applied,
@@ -22,12 +22,9 @@ from .reconcile import (
     run_check,
     settlement,
 )
-from .store import CallRecord, EffectEvent, EffectStore
+from .store import CallRecord, EffectEvent, SettlingStore
 
-__all__ = [
-    "NeedsCheck", "can_settle", "keep", "leases_in_begin", "let_go", "reconcile_record", "settle_as", "stop_renewing",
-    "take_lease",
-]
+__all__ = ["NeedsCheck", "reconcile_record", "settle_as"]
 
 log = logging.getLogger("guard")
 # How long a claim to check a call is held at least: the check's deadline and a margin.
@@ -43,49 +40,8 @@ class NeedsCheck(Exception):
         self.record = record
 
 
-def can_settle(store: EffectStore) -> bool:
-    """Whether ``store`` can append a settlement atomically (it has ``settle``): else a call in
-    doubt waits for an operator."""
-    return callable(getattr(store, "settle", None))
-
-
-def leases_in_begin(store: EffectStore) -> bool:
-    """Whether ``store`` takes a call's lease in its ``begin`` (``begin(..., lease=(holder,
-    seconds))``) and drops it with its outcome (``append(..., drop_lease=holder)``), in the same
-    transactions: then a lease costs no write of its own."""
-    return getattr(store, "leases_in_begin", False) is True
-
-
-def take_lease(store: EffectStore, call_id: str, seconds: float) -> str:
-    """Take a lease on ``call_id`` for a call about to begin (in the store's ``begin`` itself where
-    it can); returns its holder's token."""
-    holder = uuid.uuid4().hex
-    if not leases_in_begin(store):
-        store.take_lease(call_id, holder, seconds)  # type: ignore[attr-defined]
-    return holder
-
-
-def stop_renewing(store: EffectStore, call_id: str, holder: str) -> None:
-    """Stop renewing a lease the store has dropped."""
-    renewer.let_go(store, call_id, holder)  # type: ignore[arg-type]
-
-
-def keep(store: EffectStore, call_id: str, holder: str, seconds: float) -> None:
-    """Renew the lease while the tool runs."""
-    renewer.hold(store, call_id, holder, seconds)  # type: ignore[arg-type]
-
-
-def let_go(store: EffectStore, call_id: str, holder: str) -> None:
-    """Stop renewing the lease and drop it; a failure is logged (the lease then runs out)."""
-    renewer.let_go(store, call_id, holder)  # type: ignore[arg-type]
-    try:
-        store.drop_lease(call_id, holder)  # type: ignore[attr-defined]
-    except Exception as e:
-        log.warning("could not drop the lease of %s (it runs out by itself): %r", call_id, e)
-
-
 def settle_as(
-    store: EffectStore, record: CallRecord, verdict: Applied | NotApplied, actor: str,
+    store: SettlingStore, record: CallRecord, verdict: Applied | NotApplied, actor: str,
     appended: Callable[[EffectEvent], Any] | None = None,
 ) -> int | None:
     """Append the event that settles ``record`` as ``verdict`` says, only if the call is still in
@@ -107,14 +63,14 @@ def settle_as(
         made.append(settlement(current, verdict, actor, value))
         return made[0]
 
-    seq: int | None = store.settle(record.call_id, choose)  # type: ignore[attr-defined]
+    seq = store.settle(record.call_id, choose)
     if seq is not None and made and appended is not None:
         appended(made[0])
     return seq
 
 
 def reconcile_record(
-    store: EffectStore, record: CallRecord, check: Check, holder: str | None = None,
+    store: SettlingStore, record: CallRecord, check: Check, holder: str | None = None,
     timeout: float = DEFAULT_CHECK_TIMEOUT, run: Callable[..., Any] = run_check,
     appended: Callable[[EffectEvent], Any] | None = None,
 ) -> tuple[Outcome, str, int | None]:

@@ -1,8 +1,14 @@
-"""The seam between the guard and its storage: events, call records, the fold, the protocol.
+"""The seam between the guard and its storage: events, call records, the fold, the protocols.
 
 The guard decides; a store makes the decision atomic and durable. Every transition reaches the
 store as one :class:`EffectEvent`. The current state of a call is :class:`CallRecord`, and
 :func:`apply` is the one pure fold from an event to the next record, shared by every store.
+
+:class:`EffectStore` is all a store must be. What it can do beyond that it declares by taking the
+protocols of those capabilities as bases (:class:`SettlingStore`, :class:`RecentCalls`,
+:class:`AsyncOffload`, :class:`LeasesInBegin`, and :class:`~guard.leases.LeaseStore`); a store
+that only has their methods is found to have them too. The guard reads which it has once, when an
+:class:`~guard.effect_guard.EffectGuard` is given the store.
 """
 
 from __future__ import annotations
@@ -18,12 +24,17 @@ from typing import Any, Protocol, runtime_checkable
 from .liveness import process_identity
 
 __all__ = [
+    "AsyncOffload",
     "CallRecord",
     "CallStatus",
     "Decision",
     "EffectEvent",
     "EffectStore",
     "EventKind",
+    "LeasesInBegin",
+    "RecentCalls",
+    "Settle",
+    "SettlingStore",
     "Verdict",
     "apply",
     "current_owner",
@@ -248,3 +259,72 @@ class EffectStore(Protocol):
     def append(self, event: EffectEvent) -> None: ...
 
     def get(self, call_id: str) -> CallRecord | None: ...
+
+
+# -- what a store may declare beside EffectStore ------------------------------------------------
+
+# The callback of :meth:`SettlingStore.settle`: given the call's record (None for a call never
+# seen), the event to append, or None.
+Settle = Callable[[CallRecord | None], EffectEvent | None]
+
+
+@runtime_checkable
+class SettlingStore(Protocol):
+    """A store that can settle a call in doubt by itself, without an operator.
+
+    ``settle`` reads the call's record, calls ``choose`` with it (None for a call never seen) and
+    appends the event ``choose`` returns, in one atomic step that no other write of the call can
+    interleave with; it returns the ``seq`` appended, or None when ``choose`` chose none. What
+    ``choose`` raises is raised, and nothing is appended.
+
+    A store that declares it lets a retry run the tool's check on a call in doubt before refusing
+    it (``EffectGuard(reconcile_on_retry=True)``), and ``reconcile`` settle its calls.
+    """
+
+    def settle(self, call_id: str, choose: Settle) -> int | None: ...
+
+
+@runtime_checkable
+class RecentCalls(Protocol):
+    """A store that can look a call up by its agent and idempotency key.
+
+    ``recent_call`` returns the most recent call of ``agent_id`` (None matches the calls made
+    without one) with ``idempotency_key``, whose ``created_at`` is at or after ``since`` (aware, UTC)
+    and whose status is not ``released``; or None. A store that declares it can be given
+    ``EffectGuard(duplicate_window=...)``, which makes the lookup just before ``begin``.
+    """
+
+    def recent_call(self, agent_id: str | None, idempotency_key: str, since: datetime) -> CallRecord | None: ...
+
+
+@runtime_checkable
+class AsyncOffload(Protocol):
+    """A store that says where an ``async def`` tool's store work is made.
+
+    ``offload_async`` True: the store's calls may wait for a network or a lock, and it is safe to
+    call from several threads at once, so ``begin`` and ``append`` of an ``async def`` tool are made
+    in the guard's own threads, off the event loop (:mod:`guard.offload`). False: in the loop's
+    thread. It is read at each call, so it may be changed on a store in use.
+    """
+
+    offload_async: bool
+
+
+@runtime_checkable
+class LeasesInBegin(EffectStore, Protocol):
+    """An :class:`EffectStore` that keeps a call's lease (:mod:`guard.leases`) in the transactions of
+    its events, so that a lease costs no write of its own.
+
+    ``begin(..., lease=(holder, seconds))`` takes ``holder``'s lease on the call for ``seconds`` in
+    the transaction that records the decision, when that decision records ``pending`` (and takes
+    none otherwise). ``append(..., drop_lease=holder)`` drops that lease in the transaction of the
+    outcome. Without either argument they are :class:`EffectStore`'s. ``leases_in_begin`` is True
+    when the store does so (a store may turn it off); the guard uses it only with a ``lease``, on a
+    store that is a :class:`~guard.leases.LeaseStore` too.
+    """
+
+    leases_in_begin: bool
+
+    def begin(self, call_id: str, decide: Decide, lease: tuple[str, float] | None = None) -> Decision: ...
+
+    def append(self, event: EffectEvent, drop_lease: str | None = None) -> None: ...

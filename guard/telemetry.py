@@ -95,7 +95,7 @@ def is_enabled() -> bool:
 
 
 class TracedCall(Protocol):
-    """What a span reads of one guarded call (the guard's own ``_Call``)."""
+    """What a span reads of one guarded call (a :class:`~guard.call.GuardedCall`)."""
 
     tool_call_id: str | None
     agent_id: str | None

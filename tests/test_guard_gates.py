@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-import guard.airlock
+import guard.call
 import guard.policy
 from guard import (
     Airlock,
@@ -687,7 +687,7 @@ def test_a_tag_put_on_while_the_first_call_reads_the_tags_is_obeyed_by_every_lat
         return "wiped"
 
     reading, tagged = threading.Event(), threading.Event()
-    read_tags = guard.airlock.required_capabilities
+    read_tags = guard.call.required_capabilities
 
     def slow_to_read(fn: Any) -> frozenset[str]:
         found = read_tags(fn)
@@ -696,7 +696,7 @@ def test_a_tag_put_on_while_the_first_call_reads_the_tags_is_obeyed_by_every_lat
             tagged.wait(120)  # the tag is put on while the first call is reading the old ones
         return found
 
-    monkeypatch.setattr(guard.airlock, "required_capabilities", slow_to_read)
+    monkeypatch.setattr(guard.call, "required_capabilities", slow_to_read)
     views: list[Any] = []
 
     def first_call() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-import guard.airlock
+import guard.call
 from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.canonical import NotCanonical, canonical_json
 from guard.effect_guard import EffectGuard, InMemoryEffectStore, idempotency_key
@@ -177,7 +177,7 @@ def test_a_deferred_result_that_cannot_be_recorded_is_logged_as_unknown(
         yield from range(count)
 
     tool = guarded(store, pages)
-    monkeypatch.setattr(guard.airlock, "current_owner", owner_unknown)  # after the pending, before the outcome
+    monkeypatch.setattr(guard.call, "current_owner", owner_unknown)  # after the pending, before the outcome
     with caplog.at_level(logging.ERROR, logger="guard"):
         result = call(tool, "g1", 2)
     assert list(result) == [0, 1]

@@ -21,13 +21,15 @@ from typing import Any, cast
 
 import orjson
 
-from ..airlock import Airlock, _tool_of, is_deferred, message_of
+from ..airlock import Airlock, _tool_of
 from ..canonical import storable, to_json_value
 from ..context import AirlockContext, get_current_context
+from ..effect_guard import EffectGuard
 from ..offload import offloaded, offloads
+from ..outcomes import is_deferred, message_of
 from ..refusal import AirlockBlocked, Refusal, is_refusal, make_refusal
 from ..scope import stored_call_id
-from ..store import EffectEvent, EffectStore
+from ..store import EffectEvent
 
 __all__ = ["Outcome", "Tools", "adispatch", "call_id_of", "dispatch", "field", "refusal_text", "tool_table"]
 
@@ -265,13 +267,14 @@ def _finished(tool: _Guarded, call_id: str | None, result: Any) -> Outcome:
     return Outcome(_text(result), False, result)
 
 
-def _stores(table: Mapping[str, _Guarded]) -> list[EffectStore]:
-    stores: list[EffectStore] = []
+def _guards(table: Mapping[str, _Guarded]) -> list[EffectGuard]:
+    """The effect guards of the tools, one a store."""
+    guards: list[EffectGuard] = []
     for tool in table.values():
         eg = tool.airlock.policy.effect_guard
-        if eg is not None and not any(eg.store is s for s in stores):
-            stores.append(eg.store)
-    return stores
+        if eg is not None and not any(eg.store is g.store for g in guards):
+            guards.append(eg)
+    return guards
 
 
 class _Rejection:
@@ -293,14 +296,14 @@ def _unknown_tool(table: Mapping[str, _Guarded], name: str, call_id: str | None,
          "violation_type": "unknown_tool", "tools": offered},
     )
     # The refusal is journaled only where the store is beyond doubt: every tool shares one.
-    stores = _stores(table)
-    if len(stores) == 1:
+    guards = _guards(table)
+    if len(guards) == 1:
         # Under the id the guard keeps the call under, when its tools' guards agree on the scope.
         scopes = {eg.id_scope for t in table.values() if (eg := t.airlock.policy.effect_guard) is not None}
         stored = stored_call_id(scopes.pop(), agent_id, call_id) if call_id is not None and len(scopes) == 1 else None
         try:
             # The name is the model's: a lone surrogate is kept as its backslash escape.
-            stores[0].append(EffectEvent(
+            guards[0].store.append(EffectEvent(
                 kind="refused", call_id=stored, tool=storable(name), agent_id=storable(agent_id),
                 reason={"code": "policy_violation", "message": storable(error)},
             ))
@@ -453,14 +456,14 @@ async def adispatch(tools: Tools, name: str, call_id: str | None, arguments: Any
     async with _context(call_id, agent_id, metadata) as ctx:
         tool = table.get(name)
         if tool is None:
-            if any(offloads(store) for store in _stores(table)):
+            if any(offloads(eg.offload) for eg in _guards(table)):
                 return cast(Outcome, await offloaded(_unknown_tool, table, name, call_id, ctx.agent_id))
             return _unknown_tool(table, name, call_id, ctx.agent_id)
         kwargs = _parse(tool, arguments, refuse=_Rejection)
         if isinstance(kwargs, _Rejection):  # journaled off the loop, as the guard's own refusals are
             eg = tool.airlock.policy.effect_guard
             refuse = functools.partial(_refuse_arguments, tool, kwargs.arguments, kwargs.problem, **kwargs.details)
-            return cast(Outcome, await offloaded(refuse) if eg is not None and offloads(eg.store) else refuse())
+            return cast(Outcome, await offloaded(refuse) if eg is not None and offloads(eg.offload) else refuse())
         try:
             result = tool.fn(**kwargs)
             if inspect.isawaitable(result):

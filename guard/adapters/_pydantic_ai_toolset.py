@@ -12,7 +12,7 @@ from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, ToolsetTool, 
 
 from ..refusal import AirlockBlocked
 from ._dispatch import _context, _find_guard, refusal_text
-from .pydantic_ai import call_id_for, own_refusal, reused_by_test_model
+from ._pydantic_ai_calls import call_id_for, own_refusal, reused_by_test_model
 
 __all__ = ["AirlockToolset"]
 

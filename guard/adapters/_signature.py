@@ -44,7 +44,7 @@ def with_parameter(runner: Callable[..., Any], fn: Callable[..., Any], wanted: s
     else:
         at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
         params.insert(at, added)
-    runner.__signature__ = signature.replace(parameters=params, return_annotation=returns)  # type: ignore[attr-defined]
+    runner.__dict__["__signature__"] = signature.replace(parameters=params, return_annotation=returns)
     runner.__annotations__ = {**{p.name: p.annotation for p in params}, "return": returns}
     runner.__name__ = fn.__name__
     runner.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
