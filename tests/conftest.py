@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 
+from journal import Journal
+from tests.journals import JOURNAL_PARAMS, Database, JournalFactory, journal_factory
 from tests.pgserver import _pg_shutdown, pg_dsn, pg_server  # noqa: F401  (the PostgreSQL fixtures)
 from tests.stores import STORE_FACTORIES, close_store
 
@@ -20,20 +22,42 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
         close_store(made)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def seeded_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A journal seeded by ``tests.cli_support.seed_into``, named as ``--db`` takes it: a SQLite
-    file, or a PostgreSQL database."""
-    from tests.cli_support import seed, seed_into
+@pytest.fixture(params=JOURNAL_PARAMS)
+def journal_kind(request: pytest.FixtureRequest) -> JournalFactory:
+    """Every journal store of tests/journals.py in turn, what it needs of the session set up."""
+    return journal_factory(request)
 
-    if request.param == "sqlite":
-        path = tmp_path / "journal.db"
-        seed(path)
-        yield str(path)
-        return
-    dsn: str = request.getfixturevalue("pg_dsn")
-    from journal.postgres import PostgresJournal
 
-    with PostgresJournal(dsn) as journal:
+@pytest.fixture
+def journal_target(journal_kind: JournalFactory, tmp_path: Path) -> str:
+    """Where a fresh journal of ``journal_kind`` goes, as ``open_journal`` and ``--db`` take it;
+    nothing is made there yet."""
+    return journal_kind.target(tmp_path)
+
+
+@pytest.fixture
+def journal(journal_kind: JournalFactory, journal_target: str) -> Iterator[Journal]:
+    """A fresh, empty journal at ``journal_target``: every journal store in turn."""
+    made = journal_kind.open(journal_target)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
+def journal_database(journal_kind: JournalFactory, journal_target: str) -> Database:
+    """The database under the journal at ``journal_target``, for plain SQL."""
+    return journal_kind.database(journal_target)
+
+
+@pytest.fixture
+def seeded_db(journal_kind: JournalFactory, tmp_path: Path) -> str:
+    """A journal of its own (a database of its own, on a server) seeded by
+    ``tests.cli_support.seed_into``, named as ``--db`` takes it."""
+    from tests.cli_support import seed_into
+
+    target = journal_kind.target(tmp_path, own_database=True)
+    with journal_kind.open(target) as journal:
         seed_into(journal)
-    yield dsn
+    return target

@@ -1,17 +1,15 @@
 """What the journal contract suite builds its journals from: a fixed history written the same way
-on every store, plain SQL on a journal's own database, and guarded calls in a child process that
-the test can kill."""
+on every store, and guarded calls in a child process that the test can kill. (Plain SQL on a
+journal's own database is each store's own: tests/journals.py.)"""
 
 from __future__ import annotations
 
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -112,49 +110,6 @@ def exported_csv(journal: Any, **filters: Any) -> bytes:
 
 def verify_export(data: bytes, allow_gaps: bool = False) -> VerifyReport:
     return verify_lines([orjson.loads(line) for line in data.splitlines()], allow_gaps=allow_gaps)
-
-
-@dataclass
-class Database:
-    """The database under a journal, reached with its driver's own connection (as an intruder or a
-    careless operator would): ``target`` is what ``open_journal`` takes."""
-
-    kind: str
-    target: str
-
-    @property
-    def append_only_error(self) -> type[Exception]:
-        """The driver's error for a statement the database refuses on an integrity rule."""
-        if self.kind == "sqlite":
-            return sqlite3.IntegrityError
-        import psycopg
-
-        return psycopg.errors.IntegrityConstraintViolation
-
-    def execute(self, statement: str) -> int:
-        """Run one statement in its own transaction; how many rows it changed."""
-        if self.kind == "sqlite":
-            conn = sqlite3.connect(self.target, isolation_level=None)
-            try:
-                return conn.execute(statement).rowcount
-            finally:
-                conn.close()
-        import psycopg
-
-        with psycopg.connect(self.target, autocommit=True) as pg:
-            return pg.execute(statement).rowcount
-
-    def rows(self, statement: str) -> list[tuple[Any, ...]]:
-        if self.kind == "sqlite":
-            conn = sqlite3.connect(f"file:{self.target}?mode=ro", uri=True)
-            try:
-                return list(conn.execute(statement))
-            finally:
-                conn.close()
-        import psycopg
-
-        with psycopg.connect(self.target, autocommit=True) as pg:
-            return list(pg.execute(statement))
 
 
 _CHILD = textwrap.dedent(

@@ -33,12 +33,20 @@ def postgres_store(tmp_path: Path) -> Any:
     return PostgresJournal(fresh_schema(), pool_size=4)
 
 
-def postgres_contended_store(tmp_path: Path) -> Any:
-    # Every write made the way it is while other replicas write too: by the server-side append,
-    # from the record this object last wrote, which another object's writes may have made stale.
-    journal = postgres_store(tmp_path)
-    journal._skip_cas = 10**9
+def contended(journal: Any) -> Any:
+    """``journal`` (a PostgreSQL one) with every write made the way it is while other replicas
+    write too: by the server-side append, from the record this object last wrote, which another
+    object's writes may have made stale. Raises ``AttributeError`` for a journal without that way,
+    rather than leave its writes as they were."""
+    writes = journal.writes
+    if not hasattr(writes, "skip_cas"):
+        raise AttributeError(f"{journal!r} has no contended way to write (no writes.skip_cas)")
+    writes.skip_cas = 10**9
     return journal
+
+
+def postgres_contended_store(tmp_path: Path) -> Any:
+    return contended(postgres_store(tmp_path))
 
 
 def guide_store(tmp_path: Path) -> Any:

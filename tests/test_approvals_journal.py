@@ -26,11 +26,12 @@ from guard.effect_guard import EffectGuard, InMemoryEffectStore
 from guard.store import Decision, EffectEvent, Verdict, utc_now
 from journal import JournalError, SQLiteJournal
 from tests.cli_support import invoke
-from tests.test_postgres_roles import deployed  # noqa: F401  (the roles of docs/postgres.md, deployed)
+from tests.journals import JOURNAL_FACTORIES, JOURNAL_PARAMS, Database, journal_factory
+from tests.postgres.test_roles import deployed  # noqa: F401  (the roles of docs/postgres.md, deployed)
+from tests.stores import contended
 
 SPAWN = multiprocessing.get_context("spawn")
-STORES = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-JOURNALS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+STORES = ["memory", *JOURNAL_PARAMS]
 RAN = {"charged": 500}
 
 
@@ -38,12 +39,8 @@ RAN = {"charged": 500}
 
 
 def open_store(kind: str, target: str) -> Any:
-    """Another object of the journal at ``target`` (a SQLite file or a PostgreSQL DSN)."""
-    if kind == "sqlite":
-        return SQLiteJournal(target)
-    from journal.postgres import PostgresJournal
-
-    return PostgresJournal(target, pool_size=4)
+    """Another object of the journal at ``target``, of the store named ``kind`` in tests/journals.py."""
+    return JOURNAL_FACTORIES[kind].open(target)
 
 
 class Place:
@@ -55,12 +52,13 @@ class Place:
         if kind == "memory":
             self.target = ""
             self.memory = InMemoryEffectStore()
-        elif kind == "sqlite":
-            self.target = str(tmp_path / "journal.db")
         else:
-            from tests.pgserver import fresh_schema
+            self.target = JOURNAL_FACTORIES[kind].target(tmp_path)
 
-            self.target = fresh_schema()
+    @property
+    def database(self) -> Database:
+        """The database under the journal, for plain SQL."""
+        return JOURNAL_FACTORIES[self.kind].database(self.target)
 
     def open(self) -> Any:
         return self.memory if self.memory is not None else open_store(self.kind, self.target)
@@ -68,11 +66,14 @@ class Place:
 
 @pytest.fixture(params=STORES)
 def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    if request.param != "memory":
+        journal_factory(request)
     return Place(request.param, tmp_path)
 
 
-@pytest.fixture(params=JOURNALS)
+@pytest.fixture(params=JOURNAL_PARAMS)
 def journal_place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    journal_factory(request)
     return Place(request.param, tmp_path)
 
 
@@ -484,7 +485,7 @@ def test_rebuild_puts_back_a_deleted_request_row(journal_place: Place, journal: 
     assert not report.ok and report.problem == (f"the approvals projection lacks request {removed.request_id!r} "
                                                 "(call 'c1'); run rebuild")
     assert report.first_bad_seq == removed.last_seq
-    if journal_place.kind == "sqlite":  # checked in parts (as a journal of millions of events is), said the same
+    if JOURNAL_FACTORIES[journal_place.kind].verifies_in_parts:  # as a journal of millions of events is: the same
         assert journal.verify(parts=2).problem == report.problem
     journal.rebuild()
     assert [r.to_json() for r in journal.approval_requests()] == before
@@ -510,26 +511,16 @@ def test_verify_reports_a_request_row_edited_by_hand(journal_place: Place, journ
 
 
 def plain_sql(place: Place, statement: str, *params: Any) -> None:
-    """Run ``statement`` on the journal's database by hand (``{mark}``: the driver's placeholder)."""
-    if place.kind == "sqlite":
-        conn = sqlite3.connect(place.target, isolation_level=None)
-        try:
-            conn.execute(statement.format(mark="?"), params)
-        finally:
-            conn.close()
-        return
-    import psycopg
-
-    with psycopg.connect(place.target, autocommit=True) as pg:
-        pg.execute(statement.format(mark="%s").encode(), params)
+    """Run ``statement`` on the journal's database by hand (``{mark}``: a parameter's place)."""
+    place.database.execute(statement.format(mark="?"), params)
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["first-try", "contended"])
 def test_begin_and_append_fold_a_refusal_that_names_a_request(journal: Any, tmp_path: Path, fast: bool) -> None:
     # The guard records its refusals of a request in its own step; a refusal that names a request
     # reaching the journal by begin or append is folded into the requests all the same.
-    if not fast and hasattr(journal, "_skip_cas"):
-        journal._skip_cas = 10**9  # PostgreSQL's writes as under contention: the server-side append
+    if not fast and type(journal).__name__ == "PostgresJournal":
+        contended(journal)  # PostgreSQL's writes as under contention: the server-side append
     tool = charger(journal, tmp_path, ttl=0.2)
     tool("c1")
     tool("c2")
@@ -758,7 +749,7 @@ def test_an_archive_never_takes_an_open_request(journal_place: Place, journal: A
 @pytest.mark.postgres
 def test_each_postgres_role_of_the_deployment_guide_does_its_part(deployed: str, tmp_path: Path) -> None:  # noqa: F811
     from journal.postgres import PostgresJournal
-    from tests.test_postgres_roles import as_role
+    from tests.postgres.test_roles import as_role
 
     with PostgresJournal(as_role(deployed, "airlock_guard")) as guard:
         tool = charger(guard, tmp_path)

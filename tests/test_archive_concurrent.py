@@ -9,50 +9,29 @@ from __future__ import annotations
 
 import os
 import re
-import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
 import orjson
 import pytest
 
-from journal import SQLiteJournal, open_journal
+from journal import open_journal
+from journal.archive_run import in_steps
 from tests.cli_support import AIRLOCK, Tools, invoke
+from tests.journals import JournalFactory
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def fill(target: str, calls: int) -> None:
-    options = {} if "://" in target else {"durability": "process"}
-    with open_journal(target, **options) as j:
+def fill(made: JournalFactory, target: str) -> None:
+    with made.open(target, **made.quick) as j:
+        # 6000 events where the archive lets go of them in steps: it does so in two.
+        calls = 3000 if in_steps(j) else 300
         tools = Tools(j)
         for n in range(calls):
             tools.call(f"c{n}", tools.charge, account="acct_1", cents=n + 1)
-
-
-@contextmanager
-def write_lock_held(target: str) -> Iterator[None]:
-    """The journal's write lock taken by another connection: every archive waits at its first
-    transaction that lets go of events, after it has checked, planned and written its file."""
-    if "://" in target:
-        import psycopg
-
-        with psycopg.connect(target) as conn:
-            conn.execute("SELECT seq FROM chain_head WHERE id = 1 FOR UPDATE")
-            yield
-            conn.rollback()
-        return
-    conn = sqlite3.connect(target, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        yield
-        conn.execute("ROLLBACK")
-    finally:
-        conn.close()
 
 
 def start_archive(target: str, before: str, output: Path, *more: str) -> subprocess.Popen[str]:
@@ -69,25 +48,24 @@ def wait_for(paths: list[Path], seconds: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        path = tmp_path / "J.db"
-        SQLiteJournal(path).close()
-        fill(str(path), 3000)  # 6000 events: the archive lets go of them in two steps
-        return str(path)
-    dsn: str = request.getfixturevalue("pg_dsn")
-    fill(dsn, 300)
-    return dsn
+@pytest.fixture
+def target(journal_kind: JournalFactory, tmp_path: Path) -> str:
+    """A journal of every store (tests/conftest.py), a file or a database of its own, filled."""
+    target = journal_kind.target(tmp_path, "J.db", own_database=True)
+    fill(journal_kind, target)
+    return target
 
 
-def test_two_archives_at_once_one_archives_the_other_says_so_and_removes_its_copy(target: str,
+def test_two_archives_at_once_one_archives_the_other_says_so_and_removes_its_copy(journal_kind: JournalFactory,
+                                                                                 target: str,
                                                                                  tmp_path: Path) -> None:
     key = tmp_path / "audit-key.pem"
     assert invoke("journal", "keygen", "--output", str(key)).exit_code == 0
     before = datetime.now(UTC).isoformat()
     a, b = tmp_path / "A.jsonl", tmp_path / "B.jsonl"
-    with write_lock_held(target):
+    # The journal's write lock taken by another connection: every archive waits at its first
+    # transaction that lets go of events, after it has checked, planned and written its file.
+    with journal_kind.database(target).write_lock():
         procs = {out: start_archive(target, before, out, "--sign", str(key)) for out in (a, b)}
         wait_for([a, b, a.with_name("A.jsonl.manifest.json"), b.with_name("B.jsonl.manifest.json")])
         assert a.read_bytes() == b.read_bytes()  # two copies of one archive, until one lets go

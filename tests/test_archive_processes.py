@@ -8,7 +8,6 @@ import multiprocessing
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import time
 from collections import Counter
@@ -22,17 +21,18 @@ import pytest
 
 from guard import Airlock, AirlockContext, SecurityPolicy
 from guard.effect_guard import EffectGuard
-from journal import SQLiteJournal, open_journal
+from journal import open_journal
 from tests.cli_support import AIRLOCK, ROOT, invoke
+from tests.journals import Database, JournalFactory
 
 WORKERS = 3
 CALLS = 150  # fresh calls a worker makes; it also retries each of them once, later
 
 
-def _work(target: str, worker: int, ran_file: str, start: Any, done: Any) -> None:
+def _work(target: str, options: dict[str, Any], worker: int, ran_file: str, start: Any, done: Any) -> None:
     """One process of the agent: CALLS fresh calls, and a retry of each a few calls later; every run
     of the tool is written to ``ran_file`` (O_APPEND, one line each) before it returns."""
-    journal = open_journal(target, **({"durability": "process"} if "://" not in target else {}))
+    journal = open_journal(target, **options)
     fd = os.open(ran_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
@@ -58,22 +58,21 @@ def _archive_now(target: str, output: Path) -> bool:
     return result.stdout.startswith("Archived")
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        path = tmp_path / "journal.db"
-        SQLiteJournal(path).close()
-        return str(path)
-    dsn: str = request.getfixturevalue("pg_dsn")
-    open_journal(dsn).close()
-    return dsn
+@pytest.fixture
+def target(journal_kind: JournalFactory, tmp_path: Path) -> str:
+    """An empty journal of every store (tests/conftest.py), made: a file, or a database of its own."""
+    target = journal_kind.target(tmp_path, own_database=True)
+    journal_kind.open(target).close()
+    return target
 
 
-def test_archive_under_concurrent_guarded_calls_loses_and_duplicates_nothing(target: str, tmp_path: Path) -> None:
+def test_archive_under_concurrent_guarded_calls_loses_and_duplicates_nothing(journal_kind: JournalFactory, target: str,
+                                                                            tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
     start, done = ctx.Event(), ctx.Queue()
     ran = [tmp_path / f"ran-{w}.txt" for w in range(WORKERS)]
-    procs = [ctx.Process(target=_work, args=(target, w, str(ran[w]), start, done)) for w in range(WORKERS)]
+    options = dict(journal_kind.quick)
+    procs = [ctx.Process(target=_work, args=(target, options, w, str(ran[w]), start, done)) for w in range(WORKERS)]
     for proc in procs:
         proc.start()
     archives: list[Path] = []
@@ -123,11 +122,11 @@ BATCHES = RUNS + 2
 CALLS_A_BATCH = 120
 
 
-def _seeded(target: str) -> list[str]:
+def _seeded(made: JournalFactory, target: str) -> list[str]:
     """A journal of BATCHES batches of guarded calls with large arguments; returns a cut time after
     each batch (an archive before cut k takes the first k batches)."""
     cuts = []
-    with open_journal(target, **({"durability": "process"} if "://" not in target else {})) as journal:
+    with made.open(target, **made.quick) as journal:
 
         @Airlock(policy=SecurityPolicy(effect_guard=EffectGuard(store=journal)))
         def charge(note: str, cents: int) -> int:
@@ -142,19 +141,9 @@ def _seeded(target: str) -> list[str]:
     return cuts
 
 
-def _committed(target: str) -> list[Path]:
+def _committed(database: Database) -> list[Path]:
     """The archive files the journal records, oldest first (read with a connection of its own)."""
-    query = "SELECT file FROM archives ORDER BY last_seq"
-    if "://" in target:
-        import psycopg
-
-        with psycopg.connect(target) as conn:
-            return [Path(f) for (f,) in conn.execute(query)]
-    conn = sqlite3.connect(f"file:{target}?mode=ro", uri=True)
-    try:
-        return [Path(f) for (f,) in conn.execute(query)]
-    finally:
-        conn.close()
+    return [Path(f) for (f,) in database.rows("SELECT file FROM archives ORDER BY last_seq")]
 
 
 def _opened_output(pid: int, directory: Path) -> bool:
@@ -194,23 +183,22 @@ def _run_and_kill(command: list[str], directory: Path, kill_at: tuple[bool, floa
     return opened, time.monotonic() - started
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def two_journals(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
-    """An empty journal to archive, and one to time a run on, of one store."""
-    if request.param == "sqlite":
-        (tmp_path / "reference").mkdir()
-        return str(tmp_path / "journal.db"), str(tmp_path / "reference" / "journal.db")
-    from tests.pgserver import fresh_database
-
-    return request.getfixturevalue("pg_dsn"), fresh_database()
+@pytest.fixture
+def two_journals(journal_kind: JournalFactory, tmp_path: Path) -> tuple[str, str]:
+    """An empty journal to archive, and one to time a run on, of one store (each in turn)."""
+    (tmp_path / "reference").mkdir()
+    return (journal_kind.target(tmp_path, own_database=True),
+            journal_kind.target(tmp_path / "reference", own_database=True))
 
 
 @pytest.mark.slow
-def test_an_archive_killed_at_any_moment_leaves_one_chain(two_journals: tuple[str, str], tmp_path: Path) -> None:
+def test_an_archive_killed_at_any_moment_leaves_one_chain(journal_kind: JournalFactory, two_journals: tuple[str, str],
+                                                          tmp_path: Path) -> None:
     target, reference = two_journals
+    database = journal_kind.database(target)
     archives = tmp_path / "archives"
     archives.mkdir()
-    cuts = _seeded(target)
+    cuts = _seeded(journal_kind, target)
     with open_journal(target, readonly=True) as journal:
         head = journal.head()
     rng = random.Random(int.from_bytes(os.urandom(4), "big"))
@@ -219,7 +207,7 @@ def test_an_archive_killed_at_any_moment_leaves_one_chain(two_journals: tuple[st
     timing = tmp_path / "timing"
     timing.mkdir()
     opened, total = _run_and_kill([AIRLOCK, "journal", "archive", "--db", reference, "--before",
-                                   _seeded(reference)[0], "-o", str(timing / "a.jsonl")], timing, None)
+                                   _seeded(journal_kind, reference)[0], "-o", str(timing / "a.jsonl")], timing, None)
     writing = max(total - opened, 0.001)
 
     cut, killed = 0, 0
@@ -229,9 +217,9 @@ def test_an_archive_killed_at_any_moment_leaves_one_chain(two_journals: tuple[st
         # Half the runs are killed at any moment of their run, half while they write or commit.
         after_open = rng.random() < 0.5
         moment = rng.uniform(0, writing * 1.2) if after_open else rng.uniform(0, total * 1.1)
-        before = len(_committed(target))
+        before = len(_committed(database))
         _run_and_kill(command, archives, (after_open, moment))
-        committed = _committed(target)
+        committed = _committed(database)
         killed += len(committed) == before
         # Never a partial file; an archive file is complete whether or not the journal let go of its events.
         assert sorted(p.name for p in archives.iterdir() if not p.name.startswith("a")) == []

@@ -13,22 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import psycopg
 import pytest
 
 import journal.copy
 from journal import JournalError, open_journal
 from tests.cli_support import Tools, invoke
-from tests.pgserver import fresh_database
+from tests.journals import JOURNAL_PARAMS, JournalFactory, journal_factory
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def empty_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Where a journal is to be: a SQLite path not made yet, or an empty PostgreSQL database."""
-    if request.param == "sqlite":
-        return str(tmp_path / "g.db")
-    dsn: str = request.getfixturevalue("pg_dsn")
-    return dsn
+@pytest.fixture
+def empty_db(journal_kind: JournalFactory, tmp_path: Path) -> str:
+    """Where a journal is to be, of every store (tests/conftest.py): a SQLite path not made yet, or
+    an empty PostgreSQL database."""
+    return journal_kind.target(tmp_path, "g.db", own_database=True)
 
 
 def now() -> str:
@@ -229,12 +226,16 @@ def test_show_says_which_archive_holds_an_archived_calls_events(seeded_db: str, 
 # -- 4. copy an archived journal ------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def destination(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+@pytest.fixture(params=JOURNAL_PARAMS)
+def destination_kind(request: pytest.FixtureRequest) -> JournalFactory:
+    """Every journal store to copy to, whatever the store copied from."""
+    return journal_factory(request)
+
+
+@pytest.fixture
+def destination(destination_kind: JournalFactory, tmp_path: Path) -> str:
     """Where to copy to: a new SQLite file, or an empty PostgreSQL database of its own."""
-    if request.param == "sqlite":
-        return str(tmp_path / "copy.db")
-    return fresh_database(request.getfixturevalue("pg_server"))
+    return destination_kind.target(tmp_path, "copy.db", own_database=True)
 
 
 def projection(db: str) -> list[Any]:
@@ -279,8 +280,8 @@ def test_copy_of_an_archived_journal_verifies_and_forgets_no_call(seeded_db: str
     assert both.exit_code == 0, both.output
 
 
-def test_a_failed_copy_leaves_nothing_at_the_destination(seeded_db: str, destination: str, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_copy_leaves_nothing_at_the_destination(seeded_db: str, destination_kind: JournalFactory,
+                                                         destination: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
     def broken(*args: Any, **kwargs: Any) -> int:
         raise JournalError("the copy broke off")
@@ -288,11 +289,4 @@ def test_a_failed_copy_leaves_nothing_at_the_destination(seeded_db: str, destina
     monkeypatch.setattr(journal.copy, "import_events", broken)
     failed = invoke("journal", "copy", "--from", seeded_db, "--to", destination)
     assert (failed.exit_code, failed.stderr) == (1, "Error: the copy broke off\n")
-    if destination.startswith("postgres"):
-        with psycopg.connect(destination) as conn:
-            left = conn.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone()
-            functions = conn.execute("SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
-                                     "WHERE n.nspname = 'public'").fetchone()
-        assert (left, functions) == ((0,), (0,))
-    else:
-        assert list(tmp_path.glob("copy.db*")) == []
+    assert destination_kind.database(destination).remains() == []

@@ -16,8 +16,8 @@ import pytest
 
 from journal import SQLiteJournal
 from journal.export import CSV_COLUMNS
-from journal.postgres import PostgresJournal
 from tests.cli_support import AIRLOCK, Tools, count_events, digest, invoke, rows, run_airlock, run_on_terminal, seed
+from tests.journals import JournalFactory
 
 SECTION_3_FIELDS = {
     "seq", "at", "call_id", "kind", "tool", "agent_id", "idempotency_key", "arguments", "value", "error",
@@ -256,7 +256,6 @@ def test_an_export_with_a_value_that_is_json_null_verifies(tmp_path: Path) -> No
     # A tool that returned None stored the value null: its digest is sha256("null"), not a missing one.
     from guard import Airlock, AirlockContext, SecurityPolicy
     from guard.effect_guard import EffectGuard
-    from journal import SQLiteJournal
 
     path, out = tmp_path / "j.db", tmp_path / "e.jsonl"
     with SQLiteJournal(path, durability="process") as journal:
@@ -279,18 +278,11 @@ def test_an_export_with_a_value_that_is_json_null_verifies(tmp_path: Path) -> No
     assert result.exit_code == 1 and "seq 2" in result.stderr
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
-def test_every_json_line_is_one_line_to_splitlines(tmp_path: Path, request: pytest.FixtureRequest,
-                                                   backend: str) -> None:
+def test_every_json_line_is_one_line_to_splitlines(tmp_path: Path, journal_kind: JournalFactory) -> None:
     # NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR may stand raw in JSON, but str.splitlines() breaks at them.
     odd = "acct\x85one\u2028two\u2029three"
-    if backend == "sqlite":
-        db = str(tmp_path / "journal.db")
-        journal: Any = SQLiteJournal(db)
-    else:
-        db = request.getfixturevalue("pg_dsn")
-        journal = PostgresJournal(db)
-    with journal:
+    db = journal_kind.target(tmp_path, own_database=True)
+    with journal_kind.open(db) as journal:
         tools = Tools(journal)
         tools.call("call-odd", tools.charge, account=odd, cents=5)
         tools.call("call-odd", tools.charge, account=odd, cents=5)

@@ -9,7 +9,6 @@ import io
 import os
 import pty
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from cli import render
 from guard.store import CallRecord
 from journal import SQLiteJournal, open_journal
 from tests.cli_support import AIRLOCK, Tools, invoke, seed
+from tests.journals import JournalFactory
 
 CALLS = 7  # more than a page of 3, so a list of them is cut
 
@@ -33,20 +33,12 @@ def seed_calls(journal: Any, count: int = CALLS) -> list[str]:
     return ids[::-1]
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
-    """A journal of CALLS charges on each store: (its --db, its call ids newest first)."""
-    if request.param == "sqlite":
-        db = str(tmp_path / "j.db")
-        with SQLiteJournal(db) as journal:
-            ids = seed_calls(journal)
-    else:
-        from journal.postgres import PostgresJournal
-
-        db = request.getfixturevalue("pg_dsn")
-        with PostgresJournal(db) as journal:
-            ids = seed_calls(journal)
-    yield db, ids
+@pytest.fixture
+def target(journal_kind: JournalFactory, tmp_path: Path) -> tuple[str, list[str]]:
+    """A journal of CALLS charges on each store (tests/conftest.py): (its --db, its call ids newest first)."""
+    db = journal_kind.target(tmp_path, "j.db", own_database=True)
+    with journal_kind.open(db) as journal:
+        return db, seed_calls(journal)
 
 
 def json_ids(text: str) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.cli_support import invoke, leave_pending, pending_with_live_owner, seed
+from tests.journals import JournalFactory
 
 
 def test_stats_json_tells_a_running_call_from_one_in_doubt(tmp_path: Path) -> None:
@@ -93,20 +94,14 @@ def test_export_takes_the_flags_of_every_listing_and_keeps_format(tmp_path: Path
     assert both.exit_code == 2 and "give one" in both.output
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        path = tmp_path / "j.db"
-        seed(path)
-        return str(path)
-    from journal.postgres import PostgresJournal
+@pytest.fixture
+def target(journal_kind: JournalFactory, journal_target: str) -> str:
+    """A journal of every store (tests/conftest.py) seeded by ``seed_into``."""
     from tests.cli_support import seed_into
-    from tests.pgserver import fresh_schema
 
-    dsn = fresh_schema()
-    with PostgresJournal(dsn) as journal:
+    with journal_kind.open(journal_target) as journal:
         seed_into(journal)
-    return dsn
+    return journal_target
 
 
 def test_show_finds_a_call_by_the_idempotency_key_the_backend_hands_over(target: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import re
-import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from cli.console.state import Console
 from journal import Journal, open_journal
 from journal.chain import verify_lines
 from tests.cli_support import Tools, invoke
+from tests.journals import JOURNAL_PARAMS, Database, JournalFactory, journal_factory
 from tests.test_console_support import (
     SECRET_ARGUMENT,
     SECRET_VALUE,
@@ -33,39 +33,29 @@ from tests.test_console_support import (
     seed_console,
 )
 
-STORES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 DASH = "\N{EN DASH}"  # between the ends of a range, as a page writes it
 READ_PAGES = ("/", "/calls", "/in-doubt", "/approvals", "/verify", "/export")
 
 
-def _new_target(kind: str, directory: Path) -> str:
+def _new_target(made: JournalFactory, directory: Path) -> str:
     """A journal seeded by ``seed_console``, with ``call-orphan`` pending and its owner gone."""
-    if kind == "sqlite":
-        target = str(directory / "journal.db")
-    else:
-        from tests.pgserver import fresh_schema
-
-        target = fresh_schema()
-    with open_journal(target) as journal:
+    target = made.target(directory)
+    with made.open(target) as journal:
         seed_console(journal)
     leave_pending(target, "call-orphan")
     return target
 
 
-@pytest.fixture(scope="module", params=STORES)
+@pytest.fixture(scope="module", params=JOURNAL_PARAMS)
 def seeded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """One seeded journal per store for the tests that only read (module-wide: seeding runs a process)."""
-    if request.param == "postgres":
-        request.getfixturevalue("pg_server")
-    return _new_target(request.param, tmp_path_factory.mktemp("console"))
+    return _new_target(journal_factory(request), tmp_path_factory.mktemp("console"))
 
 
-@pytest.fixture(params=STORES)
-def fresh(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A seeded journal of its own, for a test that writes."""
-    if request.param == "postgres":
-        request.getfixturevalue("pg_server")
-    return _new_target(request.param, tmp_path)
+@pytest.fixture
+def fresh(journal_kind: JournalFactory, tmp_path: Path) -> str:
+    """A seeded journal of its own, of every store (tests/conftest.py), for a test that writes."""
+    return _new_target(journal_kind, tmp_path)
 
 
 @dataclass
@@ -496,28 +486,16 @@ def test_the_verify_page_runs_verify_and_shows_the_result(seeded: str) -> None:
         assert f"{j.head()[0]} events checked, head {j.head()[1]}" in text
 
 
-def _break_chain_at(target: str, seq: int) -> None:
+def _break_chain_at(database: Database, seq: int) -> None:
     """Change the stored value of the event at ``seq`` as someone with the database's files could."""
-    if target.startswith("postgresql://"):
-        import psycopg
-
-        with psycopg.connect(target, autocommit=True) as conn:
-            conn.execute("DROP TRIGGER events_append_only ON events")
-            conn.execute("UPDATE events SET value = '{\"charge_id\":\"ch_999\"}' WHERE seq = %s", (seq,))
-        return
-    conn = sqlite3.connect(target)
-    try:
-        conn.execute("DROP TRIGGER events_no_update")
-        conn.execute("UPDATE events SET value = '{\"charge_id\":\"ch_999\"}' WHERE seq = ?", (seq,))
-        conn.commit()
-    finally:
-        conn.close()
+    database.execute(database.lift_append_only)
+    database.execute("UPDATE events SET value = '{\"charge_id\":\"ch_999\"}' WHERE seq = ?", (seq,))
 
 
-def test_the_verify_page_says_where_the_chain_breaks(fresh: str) -> None:
+def test_the_verify_page_says_where_the_chain_breaks(journal_kind: JournalFactory, fresh: str) -> None:
     with reopened(fresh) as j:
         committed = next(e for e in j.call_events("call-ok") if e.kind == "committed")
-    _break_chain_at(fresh, committed.seq)
+    _break_chain_at(journal_kind.database(fresh), committed.seq)
     with console_for(fresh) as signed:
         signed.get("/verify/run")
         page = signed.get("/verify").text

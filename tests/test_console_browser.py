@@ -23,13 +23,13 @@ import pytest
 from journal import open_journal
 from journal.chain import verify_lines
 from tests.cli_support import invoke
+from tests.journals import JournalFactory
 from tests.test_console_support import leave_pending, seed_console, serving
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--no-first-run"]
 DEADLINE_MS = 60_000
-STORES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
@@ -56,17 +56,12 @@ def browser() -> Iterator[Any]:
             launched.close()
 
 
-@pytest.fixture(params=STORES)
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A journal seeded by ``seed_console``, with ``call-orphan`` pending and its owner gone."""
-    if request.param == "sqlite":
-        target = str(tmp_path / "journal.db")
-    else:
-        request.getfixturevalue("pg_server")
-        from tests.pgserver import fresh_schema
-
-        target = fresh_schema()
-    with open_journal(target) as journal:
+@pytest.fixture
+def target(journal_kind: JournalFactory, tmp_path: Path) -> str:
+    """A journal of every store (tests/conftest.py) seeded by ``seed_console``, with ``call-orphan``
+    pending and its owner gone."""
+    target = journal_kind.target(tmp_path)
+    with journal_kind.open(target) as journal:
         seed_console(journal)
     leave_pending(target, "call-orphan")
     return target

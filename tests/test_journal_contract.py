@@ -1,15 +1,15 @@
 """The operator API of a journal (``journal.Journal``), one suite for every store.
 
-Each test runs on a SQLite file and on a PostgreSQL schema, made and written the same way: the
-reads, the exports, verify and rebuild, resolve, settle and leases, reconcile and archive give an
-operator the same answers, the same errors and the same bytes on both."""
+Each test runs on every journal store of tests/journals.py (a SQLite file, a PostgreSQL schema),
+made and written the same way: the reads, the exports, verify and rebuild, resolve, settle and
+leases, reconcile and archive give an operator the same answers, the same errors and the same
+bytes on each."""
 
 from __future__ import annotations
 
 import csv
 import io
 import itertools
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import pytest
 from guard.leases import OwnerState
 from guard.reconcile import Applied, InDoubtCall, NotApplied
 from guard.store import EffectEvent, format_at
-from journal import CallNotFound, Journal, JournalError, NotResolvable, SQLiteJournal, open_journal
+from journal import CallNotFound, Journal, JournalError, NotResolvable, open_journal
 from journal.archive import plan_archive
 from journal.chain import GENESIS
 from journal.export import CSV_COLUMNS
@@ -31,7 +31,6 @@ from tests.journal_contract_support import (
     CALLS_NEWEST_FIRST,
     OWNER,
     STATUS,
-    Database,
     History,
     begin_pending,
     exported,
@@ -41,37 +40,13 @@ from tests.journal_contract_support import (
     running_in_child,
     verify_export,
 )
-
-_DATABASE = pytest.StashKey[Database]()
-
-
-def _open(kind: str, tmp_path: Path) -> tuple[Journal, Database]:
-    if kind == "sqlite":
-        database = Database("sqlite", str(tmp_path / "j.db"))
-        return SQLiteJournal(database.target), database
-    from journal.postgres import PostgresJournal
-    from tests.pgserver import fresh_schema
-
-    database = Database("postgres", fresh_schema())
-    return PostgresJournal(database.target, pool_size=4), database
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def journal(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Journal]:
-    """A fresh, empty journal: a SQLite file, then a fresh PostgreSQL schema."""
-    made, database = _open(request.param, tmp_path)
-    request.node.stash[_DATABASE] = database
-    try:
-        yield made
-    finally:
-        made.close()
+from tests.journals import JOURNAL_FACTORIES, JOURNAL_PARAMS, Database, journal_factory
 
 
 @pytest.fixture
-def database(journal: Journal, request: pytest.FixtureRequest) -> Database:
-    """The database under ``journal``, for plain SQL."""
-    found: Database = request.node.stash[_DATABASE]
-    return found
+def database(journal_database: Database) -> Database:
+    """The database under ``journal`` (tests/conftest.py), for plain SQL."""
+    return journal_database
 
 
 @pytest.fixture
@@ -477,10 +452,16 @@ def test_export_csv_redacts_and_filters(history: Journal) -> None:
     assert only_header == (",".join(CSV_COLUMNS) + "\n").encode()
 
 
-# -- the same content gives the same bytes on both stores -------------------------------------------
+# -- the same content gives the same bytes on every store -------------------------------------------
 
 
-@pytest.mark.postgres
+@pytest.fixture(params=[p for p in JOURNAL_PARAMS if p.values != ("sqlite",)])
+def other_store(request: pytest.FixtureRequest) -> str:
+    """Each store but SQLite, to be compared with it."""
+    journal_factory(request)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("export", [
     {"format": "jsonl"},
     {"format": "csv"},
@@ -488,17 +469,18 @@ def test_export_csv_redacts_and_filters(history: Journal) -> None:
     {"format": "csv", "redact": frozenset({"value"}), "agent_id": "agent-1"},
     {"format": "jsonl", "tool": "charge", "since": 3, "until": 13},
 ])
-def test_both_stores_export_the_same_history_byte_for_byte(tmp_path: Path, export: dict[str, Any]) -> None:
+def test_every_store_exports_the_history_sqlite_exports_byte_for_byte(tmp_path: Path, other_store: str,
+                                                                      export: dict[str, Any]) -> None:
     story = History()
     filters = {k: story.at(v) if k in ("since", "until") else v for k, v in export.items() if k != "format"}
     outputs = []
-    for kind in ("postgres", "sqlite"):
-        made, _ = _open(kind, tmp_path)
-        with made:
-            story.write(made)
-            outputs.append((exported(made, **filters) if export["format"] == "jsonl"
-                            else exported_csv(made, **filters), made.head(), made.verify(),
-                            made.calls(limit=None), made.stats()))
+    for name in (other_store, "sqlite"):
+        made = JOURNAL_FACTORIES[name]
+        with made.open(made.target(tmp_path, f"{name}.db")) as journal:
+            story.write(journal)
+            outputs.append((exported(journal, **filters) if export["format"] == "jsonl"
+                            else exported_csv(journal, **filters), journal.head(), journal.verify(),
+                            journal.calls(limit=None), journal.stats()))
     assert outputs[0][0]  # not two empty exports
     assert outputs[0] == outputs[1]
 
@@ -610,8 +592,7 @@ def test_rebuild_refuses_a_field_it_cannot_read_and_keeps_the_projection(history
                                                                          database: Database) -> None:
     database.execute("UPDATE calls SET status = 'released' WHERE call_id = 'c-unknown'")
     before = database.rows("SELECT * FROM calls ORDER BY call_id")
-    database.execute("DROP TRIGGER events_no_update" if database.kind == "sqlite"
-                     else "ALTER TABLE events DISABLE TRIGGER events_append_only")
+    database.execute(database.lift_append_only)
     database.execute("UPDATE events SET owner = '{not json' WHERE seq = 2")  # c-ok's committed
     with pytest.raises(JournalError, match="cannot be read"):
         history.rebuild()

@@ -90,13 +90,10 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return str(tmp_path / "journal.db")
-    from tests.pgserver import fresh_schema
-
-    return fresh_schema()
+@pytest.fixture
+def db(journal_target: str) -> str:
+    """Where the journal of every store (tests/conftest.py) is to be."""
+    return journal_target
 
 
 @pytest.fixture

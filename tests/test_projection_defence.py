@@ -2,14 +2,14 @@
 lets a call run again: the write that decides the call checks the log where the row would let it
 run (docs/journal.md, "What a writer with the file can hide").
 
-Each test edits the real tables the way an operator would, with sqlite3 on the file or psycopg on
-the schema, and then retries the call through the guard.
+Each test edits the real tables the way an operator would, with the driver's own connection
+(tests/journals.py: sqlite3 on the file, psycopg on the schema), and then retries the call through
+the guard.
 """
 
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,15 +18,19 @@ import pytest
 
 from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard
-from journal import SQLiteJournal
+from tests.journals import JOURNAL_PARAMS, journal_factory
+from tests.stores import contended
 
-STORES = ["sqlite", "postgres", "postgres-contended", "postgres-other-object"]
+# Every journal store; and PostgreSQL written as while other replicas write too (every write by the
+# server-side append), and with its calls made by one object and their retries by another.
+STORES = [*JOURNAL_PARAMS, *(pytest.param(f"postgres-{how}", marks=pytest.mark.postgres)
+                             for how in ("contended", "other-object"))]
 
 
 class Rig:
     """A journal, a way to run plain SQL on its tables, and a guarded tool that counts its runs."""
 
-    def __init__(self, journal: Any, sql: Callable[[str, tuple[Any, ...]], None],
+    def __init__(self, journal: Any, sql: Callable[[str, tuple[Any, ...]], object],
                  reopen: Callable[[], Any]) -> None:
         self.journal = journal
         self.sql = sql
@@ -53,47 +57,24 @@ class Rig:
 
 @pytest.fixture(params=STORES)
 def rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
-    if request.param == "sqlite":
-        path = tmp_path / "j.db"
-        journal = SQLiteJournal(path)
-
-        def sqlite_sql(statement: str, params: tuple[Any, ...]) -> None:
-            conn = sqlite3.connect(path)
-            try:
-                conn.execute(statement, params)
-                conn.commit()
-            finally:
-                conn.close()
-
-        yield Rig(journal, sqlite_sql, lambda: SQLiteJournal(path))
-        journal.close()
-        return
-    psycopg = pytest.importorskip("psycopg")
-    request.getfixturevalue("pg_dsn")  # the session's server (skipped without one, failed under CI)
-    from journal.postgres import PostgresJournal
-    from tests.pgserver import fresh_schema
-
-    dsn = fresh_schema()
-    journal = PostgresJournal(dsn, pool_size=2)
-    if request.param == "postgres-contended":
-        journal._skip_cas = 10**9  # every write by the server-side append
-
-    def pg_sql(statement: str, params: tuple[Any, ...]) -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(statement.replace("?", "%s"), params)
-
-    others: list[Any] = []
+    store, _, how = str(request.param).partition("-")
+    made = journal_factory(request, store)
+    target = made.target(tmp_path)
+    opened = [made.open(target)]
 
     def reopen() -> Any:
-        others.append(PostgresJournal(dsn, pool_size=2))
-        return others[-1]
+        opened.append(made.open(target))
+        return opened[-1]
 
-    rig = Rig(journal, pg_sql, reopen)
-    if request.param == "postgres-other-object":
+    journal: Any = opened[0]
+    if how == "contended":
+        contended(journal)  # every write by the server-side append
+    rig = Rig(journal, made.database(target).execute, reopen)
+    if how == "other-object":
         rig.journal = reopen()  # the calls are made by one object, the retries by another (below)
         rig.reopen = lambda: journal
     yield rig
-    for one in (journal, *others):
+    for one in opened:
         one.close()
 
 

@@ -332,18 +332,7 @@ def test_concurrent_retries_run_the_tool_at_most_once(store: Any) -> None:
     assert len(runs) == 2 and values  # one retry ran it (or replayed its value)
 
 
-# -- journal.reconcile, on both journals -------------------------------------------------------
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def journal(request: pytest.FixtureRequest, tmp_path: Any) -> Any:
-    from tests.stores import STORE_FACTORIES
-
-    made = STORE_FACTORIES[request.param](tmp_path)
-    try:
-        yield made
-    finally:
-        made.close()
+# -- journal.reconcile, on every journal (tests/conftest.py's journal) -----------------------------
 
 
 def test_reconcile_settles_each_call_in_doubt_once(journal: Any) -> None:

@@ -11,12 +11,15 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from journal.testing import KILL_POINTS, EffectLog, remove_postgres_kill_point
+from journal import Journal
+from journal.testing import KILL_POINTS, EffectLog
+from tests.journals import JournalFactory
 
 ROOT = Path(__file__).resolve().parent.parent
 CALL_ID = "call_kill_1"
@@ -65,24 +68,12 @@ def run_child(db: str, effects: Path, at: str | None, reversibility: str = "irre
     return proc.returncode, printed
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def journal_target(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """(the db the child opens, the same journal open in this process)."""
-    from journal import open_journal
-
-    if request.param == "sqlite":
-        db = str(tmp_path / "kill.db")
-    else:
-        from tests.pgserver import fresh_schema
-
-        db = fresh_schema()
-    journal = open_journal(db)
-    try:
-        yield db, journal
-    finally:
-        if request.param == "postgres":
-            remove_postgres_kill_point(db)
-        journal.close()
+@pytest.fixture
+def db(journal_kind: JournalFactory, journal_target: str, journal: Journal) -> Iterator[str]:
+    """What the child opens: the journal of every store (tests/conftest.py) that ``journal`` is, open
+    in this process."""
+    yield journal_target
+    journal_kind.disarm(journal_target)
 
 
 def kinds(journal: Any) -> list[str]:
@@ -106,9 +97,8 @@ def test_the_kill_points_are_the_documented_ones() -> None:
 
 
 def test_a_kill_while_pending_is_written_records_nothing_and_the_retry_runs_once(
-    journal_target: Any, tmp_path: Path
+    db: str, journal: Any, tmp_path: Path
 ) -> None:
-    db, journal = journal_target
     effects = EffectLog(tmp_path / "effects.jsonl")
 
     status, _ = run_child(db, effects.path, "during_pending")
@@ -127,9 +117,8 @@ def test_a_kill_while_pending_is_written_records_nothing_and_the_retry_runs_once
 
 @pytest.mark.parametrize("at", BEFORE_EFFECT + AFTER_EFFECT)
 def test_a_kill_before_committed_leaves_pending_and_the_retry_is_refused(
-    journal_target: Any, tmp_path: Path, at: str
+    db: str, journal: Any, tmp_path: Path, at: str
 ) -> None:
-    db, journal = journal_target
     effects = EffectLog(tmp_path / "effects.jsonl")
 
     status, _ = run_child(db, effects.path, at)
@@ -150,8 +139,7 @@ def test_a_kill_before_committed_leaves_pending_and_the_retry_is_refused(
     assert_verified(journal)
 
 
-def test_a_kill_during_a_replay_and_the_retry_replays_the_same_value(journal_target: Any, tmp_path: Path) -> None:
-    db, journal = journal_target
+def test_a_kill_during_a_replay_and_the_retry_replays_the_same_value(db: str, journal: Any, tmp_path: Path) -> None:
     effects = EffectLog(tmp_path / "effects.jsonl")
 
     status, first = run_child(db, effects.path, None)
@@ -170,9 +158,8 @@ def test_a_kill_during_a_replay_and_the_retry_replays_the_same_value(journal_tar
 
 
 @pytest.mark.parametrize("at", ["after_effect", "during_committed"])
-def test_a_reversible_tool_killed_after_its_effect_runs_again(journal_target: Any, tmp_path: Path, at: str) -> None:
+def test_a_reversible_tool_killed_after_its_effect_runs_again(db: str, journal: Any, tmp_path: Path, at: str) -> None:
     # Only a reversible tool may run twice on doubt; the second run is attempt 2 and commits.
-    db, journal = journal_target
     effects = EffectLog(tmp_path / "effects.jsonl")
 
     status, _ = run_child(db, effects.path, at, reversibility="reversible")
@@ -187,12 +174,11 @@ def test_a_reversible_tool_killed_after_its_effect_runs_again(journal_target: An
 
 
 def test_after_a_kill_an_operator_settles_the_call_and_the_retry_replays_it(
-    journal_target: Any, tmp_path: Path
+    db: str, journal: Any, tmp_path: Path
 ) -> None:
     # What an operator meets after a crash: a pending call whose owner is gone, settled without --force.
     from tests.cli_support import invoke
 
-    db, journal = journal_target
     effects = EffectLog(tmp_path / "effects.jsonl")
     status, _ = run_child(db, effects.path, "after_effect")
     assert status == -signal.SIGKILL
@@ -228,11 +214,10 @@ print(points.begin("another-call", decide("another-call")).verdict.value)  # nev
 """
 
 
-def test_a_kill_point_not_reached_is_disarmed_for_the_calls_after_it(journal_target: Any) -> None:
+def test_a_kill_point_not_reached_is_disarmed_for_the_calls_after_it(db: str, journal: Any) -> None:
     from guard.effect_guard import decide_attempt
     from guard.store import EffectEvent
 
-    db, journal = journal_target
     journal.begin(CALL_ID, lambda record: decide_attempt(record, CALL_ID, "pay", "k", "{}", None, False))
     journal.append(EffectEvent("committed", CALL_ID, "pay", attempt=1, value='"ok"'))
     proc = subprocess.run([sys.executable, "-c", DISARMED_CHILD, db, CALL_ID], cwd=ROOT,

@@ -28,6 +28,7 @@ import pytest
 from guard import is_refusal
 from journal import open_journal
 from tests.cli_support import Tools, invoke
+from tests.journals import JournalFactory
 
 pytest.importorskip("cryptography")
 
@@ -156,20 +157,18 @@ class Agent:
         assert len(self.tools.payments.charges) == self.made
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return str(tmp_path / "airlock-journal.db")
-    dsn: str = request.getfixturevalue("pg_dsn")
-    return dsn
+@pytest.fixture
+def db(journal_kind: JournalFactory, tmp_path: Path) -> str:
+    """Where the journal of every store (tests/conftest.py) is to be: a file, or a database of its own."""
+    return journal_kind.target(tmp_path, "airlock-journal.db", own_database=True)
 
 
-def test_a_year_of_the_runbooks_routine(db: str, tmp_path: Path) -> None:
+def test_a_year_of_the_runbooks_routine(journal_kind: JournalFactory, db: str, tmp_path: Path) -> None:
     checkpoint_entry, archive_entry, audit = routine()
     applied, not_applied = resolve_commands()
     year = Year(tmp_path, db)
     audits: list[str] = []
-    with open_journal(db, **({} if "://" in db else {"durability": "process"})) as journal:
+    with journal_kind.open(db, **journal_kind.quick) as journal:
         agent = Agent(journal)
         day, n = FIRST_DAY, 0
         while day <= LAST_DAY:

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ import pytest
 
 from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard
-from journal import SQLiteJournal
+from journal import Journal, SQLiteJournal
 from journal.testing import EffectLog
 from tests.cli_support import invoke
+from tests.journals import JournalFactory
 
 MARK = "SECRET-MARK-7f3a9c"
 BIG = "A" * 1_000_000 + MARK  # a 1 MB string
@@ -66,27 +68,23 @@ def expected_arguments(n: int) -> dict[str, Any]:
     return {**ARGUMENTS, "big": BIG if n == 0 else ""}
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def any_journal(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    if request.param == "sqlite":
-        journal: Any = SQLiteJournal(tmp_path / "j.db", durability="process")
-    else:
-        from journal.postgres import PostgresJournal
-        from tests.pgserver import fresh_schema
-
-        journal = PostgresJournal(fresh_schema(), pool_size=2)
+@pytest.fixture
+def any_journal(journal_kind: JournalFactory, journal_target: str) -> Iterator[Journal]:
+    """A fresh journal of every store (tests/conftest.py), opened for many calls."""
+    journal = journal_kind.open(journal_target, **journal_kind.quick)
     try:
-        yield request.param, journal
+        yield journal
     finally:
         journal.close()
 
 
-def test_hostile_ids_tools_and_arguments_are_stored_and_read_back_exactly(any_journal: Any, tmp_path: Path) -> None:
-    kind, journal = any_journal
+def test_hostile_ids_tools_and_arguments_are_stored_and_read_back_exactly(journal_kind: JournalFactory,
+                                                                          any_journal: Any, tmp_path: Path) -> None:
+    journal = any_journal
     effects = EffectLog(tmp_path / "effects.jsonl")
     # PostgreSQL text cannot hold NUL: those ids and names are covered by the next test.
-    ids = CALL_IDS if kind == "sqlite" else NUL_FREE
-    tools = TOOL_NAMES if kind == "sqlite" else [t for t in TOOL_NAMES if "\x00" not in t]
+    ids = CALL_IDS if journal_kind.holds_nul else NUL_FREE
+    tools = TOOL_NAMES if journal_kind.holds_nul else [t for t in TOOL_NAMES if "\x00" not in t]
     values = run_hostile_calls(journal, effects, ids, tools)
 
     assert effects.count() == len(ids)  # every call ran once; every replay ran nothing

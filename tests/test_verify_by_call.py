@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from guard.store import CallRecord, EffectEvent, current_owner, parse_at
-from journal import SQLiteJournal, sqlite_verify, verifying
+from journal import SQLiteJournal, verifying
 from journal.chain import GENESIS, hash_of
 from journal.export import row_hash
 from journal.projection import FOLD_COLUMNS, fold_calls, fold_row, folded_onto, record_row
 from journal.rows import CALL_COLUMNS, EVENT_COLUMNS, stamp
-from tests.test_sqlite_verify_parts import _tampers, fill, raw
+from journal.sqlite import verify as sqlite_verify
+from tests.sqlite.test_verify_parts import _tampers, fill, raw
 
 _EVENTS = ", ".join(EVENT_COLUMNS)
 _CALLS = ", ".join(CALL_COLUMNS)
@@ -187,7 +188,7 @@ def test_verify_in_parts_holds_one_call_at_a_time_and_agrees(journal: SQLiteJour
 
 
 def pg_by_call(conn: Any) -> verifying.VerifyReport:
-    """What ``PostgresJournal._verify`` reports for a journal without archives, by call id: the ids
+    """What a PostgreSQL journal's verify (``Checking.verify_in``) reports without archives, by call id: the ids
     in binary order (``COLLATE "C"``), which is Python's order of text; server-side cursors."""
 
     def streamed(name: str, sql: str) -> Any:

@@ -208,12 +208,10 @@ def test_a_server_append_cut_off_is_never_made_again_the_locked_way(
 ) -> None:
     # The session the call is sent again on has no server-side append (one that could not make it):
     # the locked way cannot tell the first call's event, so the write fails rather than doubling.
-    import journal.postgres.connection as postgres
-
     journal, proxy = proxied
-    monkeypatch.setattr(journal, "_skip_cas", 10**9)  # every write made on the server
+    monkeypatch.setattr(journal.writes, "skip_cas", 10**9)  # every write made on the server
     journal.append(EffectEvent("pending", "c5", "pay", attempt=1, arguments="{}", idempotency_key="k"))
-    monkeypatch.setattr(postgres, "_APPEND_FN", "SELECT 1")  # sessions from now on go without it
+    monkeypatch.setattr(journal.datastore, "session_setup", "SELECT 1")  # sessions from now on go without it
     outcome = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.append_event(
         EffectEvent("committed", "c5", "pay", attempt=1, value='{"ok":1}')))
     assert isinstance(outcome, JournalError), outcome
@@ -227,12 +225,12 @@ def test_after_a_crash_lost_events_an_append_cut_off_on_the_server_is_still_foun
 ) -> None:
     if not pg_server.managed:
         pytest.skip("the tests do not crash an external server")
-    from tests.test_postgres_replicas import crash_losing
+    from tests.postgres.test_replicas import crash_losing
 
     journal, proxy = proxied
-    monkeypatch.setattr(journal, "_skip_cas", 10**9)  # every write made on the server
+    monkeypatch.setattr(journal.writes, "skip_cas", 10**9)  # every write made on the server
     journal.begin("x", run_unless_seen("x"))  # seq 1, on disk
-    journal._pool.wait(PATIENCE)  # no session opens (and commits its temporary function) as the crash comes
+    journal.datastore.pool.wait(PATIENCE)  # no session opens (and commits its temporary function) as the crash comes
     crash_losing(pg_server, lambda: (  # seq 2 and 3: lost, so the head goes back below what the object saw
         journal.append(EffectEvent("released", "x", "pay", attempt=1, error={"type": "E", "message": "m"})),
         journal.append(EffectEvent("refused", None, "pay", reason={"code": "c", "message": "m"}))))

@@ -20,7 +20,8 @@ import pytest
 
 from guard import Airlock, AirlockContext, SecurityPolicy, get_current_context
 from guard.effect_guard import EffectGuard
-from journal import SQLiteJournal, sqlite_verify
+from journal import SQLiteJournal
+from journal.sqlite import verify as sqlite_verify
 from tests.cli_support import digest, invoke
 
 CALLS = 300
@@ -163,7 +164,7 @@ def flip_an_entry(path: Path, index: str, seed: int = 7) -> None:
 def leave_out_an_entry(path: Path, index: str, rowid: int) -> None:
     """Make ``index`` again without the entry of row ``rowid``, behind SQLite's back: its definition
     made partial, the index made again, then its own definition put back (so
-    tests/test_sqlite_verify_parts.py alters the index on call id)."""
+    tests/sqlite/test_verify_parts.py alters the index on call id)."""
     definition = sql(path, "SELECT sql FROM sqlite_master WHERE name = ?", index)[0][0]
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA writable_schema = ON")

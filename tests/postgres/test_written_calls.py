@@ -51,7 +51,8 @@ class Tools:
 def round_trips(journal: PostgresJournal, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The journal's writes from now on, one entry a round trip to the server (a locked write: two)."""
     made: list[str] = []
-    single, on_server, locked = journal._single_statement, journal._call_server_append, journal._locked_write
+    writes = journal.writes  # the part that makes the appends
+    single, on_server, locked = writes._single_statement, writes._call_server_append, writes._locked_write
 
     def counted_single(doing: str, sql: str, params: Any) -> Any:
         made.append("compare-and-set")
@@ -65,9 +66,9 @@ def round_trips(journal: PostgresJournal, monkeypatch: pytest.MonkeyPatch) -> li
         made.extend(["locked", "locked"])
         return locked(*args)
 
-    monkeypatch.setattr(journal, "_single_statement", counted_single)
-    monkeypatch.setattr(journal, "_call_server_append", counted_on_server)
-    monkeypatch.setattr(journal, "_locked_write", counted_locked)
+    monkeypatch.setattr(writes, "_single_statement", counted_single)
+    monkeypatch.setattr(writes, "_call_server_append", counted_on_server)
+    monkeypatch.setattr(writes, "_locked_write", counted_locked)
     return made
 
 
@@ -182,7 +183,7 @@ def test_after_a_crash_lost_an_outcome_this_object_wrote_its_replay_returns_what
         pytest.skip("the tests do not crash an external server")
     from guard.effect_guard import decide_attempt
     from guard.store import EffectEvent, Verdict
-    from tests.test_postgres_replicas import crash_losing
+    from tests.postgres.test_replicas import crash_losing
 
     def decide(call_id: str) -> Any:
         return lambda record: decide_attempt(record, call_id, "pay", "k" * 64, "{}", None, False)
@@ -191,10 +192,10 @@ def test_after_a_crash_lost_an_outcome_this_object_wrote_its_replay_returns_what
     first, second = PostgresJournal(pg_dsn, pool_size=1), PostgresJournal(pg_dsn, pool_size=1)
     assert first.begin("x", decide("x")).verdict is Verdict.RUN  # pending: on disk before the tool runs
     for replica in (first, second):
-        replica._pool.wait(10)  # sessions made first: their setup commits would flush what is to be lost
+        replica.datastore.pool.wait(10)  # sessions made first: their setup commits would flush what is to be lost
     crash_losing(pg_server, lambda: first.append(
         EffectEvent("committed", "x", "pay", value='{"charge":"lost"}', attempt=1)))
-    first._pool.check()
+    first.datastore.pool.check()
     # Another replica's outcome of x takes the lost one's place in the chain, with its own value.
     second.resolve("x", applied=True, value='{"charge":"kept"}', reason="the backend has it", operator="ops",
                    force=True)

@@ -11,7 +11,7 @@ import pytest
 
 from journal.postgres import PostgresJournal
 from tests.cli_support import invoke
-from tests.test_postgres_roles import as_role, deployed, guarded_call, refused
+from tests.postgres.test_roles import as_role, deployed, guarded_call, refused
 
 pytestmark = pytest.mark.postgres
 

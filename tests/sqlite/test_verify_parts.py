@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from guard.store import EffectEvent, current_owner, parse_at
-from journal import SQLiteJournal, sqlite_verify
+from journal import SQLiteJournal
 from journal.export import row_hash
 from journal.rows import EVENT_COLUMNS
+from journal.sqlite import verify as sqlite_verify
 
 CALLS = 30
 
@@ -297,10 +298,10 @@ def test_a_large_journal_is_verified_in_parts_by_default(
 
 def test_a_part_runs_as_a_command(journal: SQLiteJournal) -> None:
     head = str(journal.head()[0])
-    done = subprocess.run([sys.executable, "-m", "journal.sqlite_verify", str(journal.path), "1", "2", head],
+    done = subprocess.run([sys.executable, "-m", "journal.sqlite.verify", str(journal.path), "1", "2", head],
                           capture_output=True)
     assert (done.returncode, done.stdout) == (0, b'{"ok":true}\n')
-    done = subprocess.run([sys.executable, "-m", "journal.sqlite_verify"], capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "journal.sqlite.verify"], capture_output=True)
     assert done.returncode == 2 and b"usage" in done.stderr and done.stdout == b""
 
 

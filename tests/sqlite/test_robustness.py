@@ -41,12 +41,12 @@ def test_a_transaction_an_interrupt_left_open_is_ended_before_the_next_write(tmp
     journal = SQLiteJournal(path, durability="process")
     journal.begin("c1", run_pending("c1"))  # type: ignore[arg-type]
     # What an interrupt landing between BEGIN and the end of the transaction leaves behind.
-    journal._conn.execute("BEGIN IMMEDIATE")
+    journal.datastore.current.execute("BEGIN IMMEDIATE")
     journal.begin("c2", run_pending("c2"))  # type: ignore[arg-type]
-    assert not journal._conn.in_transaction
+    assert not journal.datastore.current.in_transaction
     assert other_process_writes(path) == "written"
     assert [e.kind for e in journal.events()] == ["pending", "pending", "refused"]
-    journal._conn.execute("BEGIN IMMEDIATE")
+    journal.datastore.current.execute("BEGIN IMMEDIATE")
     assert journal.get("c2") is not None  # a read ends it too
     assert other_process_writes(path) == "written"
     assert journal.verify().ok
@@ -130,7 +130,7 @@ def test_a_journal_reached_through_a_symbolic_link_guards_calls_at_full(tmp_path
     assert runs == [5]
     assert journal.get("c1").status == "committed"  # type: ignore[union-attr]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "journal.db"]  # no -wal beside the link
-    assert journal._wal_path == str((tmp_path / "data" / "journal.db-wal").resolve())
+    assert journal.datastore.wal_path == str((tmp_path / "data" / "journal.db-wal").resolve())
 
 
 def test_a_relative_path_keeps_naming_the_same_file_after_a_chdir(tmp_path: Path,
@@ -212,7 +212,7 @@ def test_a_write_waits_for_another_threads_long_work_only_until_its_busy_deadlin
     held, release = threading.Event(), threading.Event()
 
     def long_work() -> None:  # what a rebuild of a large journal, on the same object, amounts to
-        with journal._lock:
+        with journal.datastore.lock:
             held.set()
             release.wait(10)
 
@@ -313,9 +313,9 @@ def interrupted_while_making_another_threads_write(journal: SQLiteJournal, decid
             outcome["other"] = e
 
     thread = threading.Thread(target=other)
-    with journal._lock:
+    with journal.datastore.lock:
         thread.start()
-        while not journal._requests:
+        while not journal.datastore.group._requests:
             time.sleep(0.001)
         with pytest.raises(KeyboardInterrupt):
             journal.begin("mine", decide or run_pending("mine"))  # type: ignore[arg-type]
@@ -325,7 +325,7 @@ def interrupted_while_making_another_threads_write(journal: SQLiteJournal, decid
 
 def test_a_shared_transaction_interrupted_as_its_commit_returns_is_made_once(tmp_path: Path) -> None:
     journal = SQLiteJournal(tmp_path / "j.db", durability="process")
-    journal._conn = InterruptAfterCommit(journal._conn)  # type: ignore[assignment]
+    journal.datastore.current = InterruptAfterCommit(journal.datastore.current)  # type: ignore[assignment]
     outcome = interrupted_while_making_another_threads_write(journal)
     assert outcome["other"] == Verdict.RUN  # told its write was made, as it was
     assert sorted((e.call_id, e.kind) for e in journal.events()) == [("mine", "pending"), ("other", "pending")]
@@ -333,8 +333,8 @@ def test_a_shared_transaction_interrupted_as_its_commit_returns_is_made_once(tmp
 
 def test_an_interrupt_while_taking_writes_off_the_queue_loses_none(tmp_path: Path) -> None:
     journal = SQLiteJournal(tmp_path / "j.db", durability="process")
-    journal._requests = InterruptAfterPop()
-    journal._requests.armed = True
+    journal.datastore.group._requests = InterruptAfterPop()
+    journal.datastore.group._requests.armed = True
     outcome = interrupted_while_making_another_threads_write(journal)
     assert outcome["other"] == Verdict.RUN
     assert [(e.call_id, e.kind) for e in journal.events()] == [("other", "pending")]  # not the interrupted one
@@ -405,7 +405,7 @@ signal.signal(signal.SIGINT, signal.SIG_IGN)
 for t in threads:
     t.join()
 twice = [e.call_id for e in journal.events() if e.kind == "refused" and e.call_id.startswith("w")]
-print(len(twice), dict(errors), journal._lock._is_owned(), journal.verify().ok)
+print(len(twice), dict(errors), journal.datastore.lock._is_owned(), journal.verify().ok)
 """
 
 
@@ -423,12 +423,12 @@ def test_a_pending_committed_just_before_close_is_durable_and_not_refused(tmp_pa
     journal.begin("c0", run_pending("c0"))  # type: ignore[arg-type]
 
     def record_pending(conn: Any) -> None:  # what begin's transaction does
-        head, record = journal._head_and_record(conn, "c1")
-        journal._append(conn, EffectEvent(kind="pending", call_id="c1", tool="t", attempt=1), record, head)
+        head, record = journal.writes.head_and_record(conn, "c1")
+        journal.writes.append_event(conn, EffectEvent(kind="pending", call_id="c1", tool="t", attempt=1), record, head)
 
-    _, ticket = journal._combined(record_pending)
+    _, ticket = journal.datastore.group.combined(record_pending)
     journal.close()
     assert not Path(f"{path}-wal").exists()
-    journal._wait_durable(ticket)  # no JournalError: the call may go on
+    journal.datastore.group.wait_durable(ticket)  # no JournalError: the call may go on
     with SQLiteJournal(path) as again:
         assert [e.call_id for e in again.events()] == ["c0", "c1"]

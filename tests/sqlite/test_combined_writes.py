@@ -35,7 +35,7 @@ def _begin(journal: SQLiteJournal, call_id: str) -> Any:
 
 def _commits(journal: SQLiteJournal) -> list[str]:
     seen: list[str] = []
-    journal._conn.set_trace_callback(lambda sql: seen.append(sql) if sql == "COMMIT" else None)
+    journal.datastore.current.set_trace_callback(lambda sql: seen.append(sql) if sql == "COMMIT" else None)
     return seen
 
 
@@ -50,13 +50,13 @@ def _queued(journal: SQLiteJournal, writes: list[Any]) -> list[BaseException | N
             outcomes[i] = e
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(writes))]
-    with journal._lock:
+    with journal.datastore.lock:
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
-        while len(journal._requests) < len(writes) and time.monotonic() < deadline:
+        while len(journal.datastore.group._requests) < len(writes) and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert len(journal._requests) == len(writes)
+        assert len(journal.datastore.group._requests) == len(writes)
     for t in threads:
         t.join(120)
     return outcomes
@@ -236,13 +236,13 @@ def test_a_child_forked_while_writes_wait_never_makes_the_parents_writes(tmp_pat
             outcomes[i] = e
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    with journal._lock:  # the parent's threads queue their writes and wait
+    with journal.datastore.lock:  # the parent's threads queue their writes and wait
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
-        while len(journal._requests) < 3 and time.monotonic() < deadline:
+        while len(journal.datastore.group._requests) < 3 and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert len(journal._requests) == 3
+        assert len(journal.datastore.group._requests) == 3
         pid = os.fork()
         if pid == 0:  # the child: its copy of the queue holds the parent's writes
             code = 1

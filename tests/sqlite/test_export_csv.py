@@ -18,13 +18,13 @@ from guard.canonical import canonical_json
 from guard.store import EffectEvent, current_owner
 from journal import JournalError, SQLiteJournal
 from journal.export import CSV_COLUMNS, csv_cell
-from journal.reading import LogReads
+from journal.reading import LogReader
 
 TEXT = st.text(alphabet=st.sampled_from(list('ab ,"\r\n\t\'é€😀\\x')), max_size=8)
 
 
 def _row_path(journal: SQLiteJournal, **kwargs: Any) -> bytes:
-    return b"".join(chunk for chunk, _ in LogReads.export_csv(journal, **kwargs))
+    return b"".join(chunk for chunk, _ in LogReader(journal.datastore).export_csv(**kwargs))
 
 
 def _sqlite_path(journal: SQLiteJournal, **kwargs: Any) -> bytes:

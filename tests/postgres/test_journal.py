@@ -531,9 +531,10 @@ def test_a_replay_of_another_call_is_two_statements_and_takes_no_lock(
         run(other, "elsewhere")
     statements: list[str] = []
     locked: list[str] = []
-    single, locked_write = journal._single_statement, journal._locked_write
-    monkeypatch.setattr(journal, "_single_statement", lambda d, sql, p: statements.append(sql) or single(d, sql, p))
-    monkeypatch.setattr(journal, "_locked_write", lambda d, c, f: locked.append(d) or locked_write(d, c, f))
+    writes = journal.writes  # the part that makes the appends: each way of making one counted
+    single, locked_write = writes._single_statement, writes._locked_write
+    monkeypatch.setattr(writes, "_single_statement", lambda d, sql, p: statements.append(sql) or single(d, sql, p))
+    monkeypatch.setattr(writes, "_locked_write", lambda d, c, f: locked.append(d) or locked_write(d, c, f))
     for n in (0, 1):  # neither is the call this object wrote last
         decision = journal.begin(f"c{n}", decide_like_the_guard(f"c{n}"))
         assert decision.verdict is Verdict.REPLAY and decision.record is not None
@@ -561,10 +562,10 @@ def test_reading_the_events_stops_at_the_head_it_began_at(journal: PostgresJourn
 def test_connections_give_up_on_a_server_the_network_cut_off(pg_dsn: str) -> None:
     # A statement whose packets go unacknowledged, or an idle connection whose keepalives go
     # unanswered, ends within about busy_timeout + connect_timeout, not the kernel's minutes.
-    with PostgresJournal(pg_dsn, busy_timeout=3, connect_timeout=2) as j, j._pool.connection() as conn:
+    with PostgresJournal(pg_dsn, busy_timeout=3, connect_timeout=2) as j, j.datastore.pool.connection() as conn:
         settings = conn.info.get_parameters()
     assert settings["tcp_user_timeout"] == "5000"
     assert (settings["keepalives"], settings["keepalives_idle"], settings["keepalives_count"]) == ("1", "2", "3")
     with PostgresJournal(pg_dsn + ("&" if "?" in pg_dsn else "?") + "tcp_user_timeout=9000") as j, \
-            j._pool.connection() as conn:
+            j.datastore.pool.connection() as conn:
         assert conn.info.get_parameters()["tcp_user_timeout"] == "9000"  # the DSN's own setting stands

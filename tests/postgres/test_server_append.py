@@ -27,14 +27,14 @@ pytestmark = pytest.mark.postgres
 
 def counting_server_appends(journal: PostgresJournal, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     outcomes: list[str] = []
-    call = journal._call_server_append
+    call = journal.writes._call_server_append
 
     def counted(doing: str, params: Any) -> tuple[Any, ...]:
         row = call(doing, params)
         outcomes.append(row[0])
         return row
 
-    monkeypatch.setattr(journal, "_call_server_append", counted)
+    monkeypatch.setattr(journal.writes, "_call_server_append", counted)
     return outcomes
 
 
@@ -62,7 +62,7 @@ def test_replicas_writing_in_turn_through_the_server_chain_every_event_as_the_ru
     for journal in (a, b):
         # As after a compare-and-set that found the head moved by another replica: every write
         # then goes to the server, each object's record of the last call it wrote often stale.
-        monkeypatch.setattr(journal, "_skip_cas", 10**9)
+        monkeypatch.setattr(journal.writes, "skip_cas", 10**9)
     tools = {a: guarded(a), b: guarded(b)}
     for n in range(12):
         journal = (a, b)[n % 2]
@@ -88,8 +88,8 @@ def test_replicas_writing_in_turn_through_the_server_chain_every_event_as_the_ru
 def test_an_append_the_server_is_sent_twice_is_appended_once(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # What a call made again after its connection was cut sends: the same call, the same event.
     with PostgresJournal(pg_dsn) as journal:
-        monkeypatch.setattr(journal, "_skip_cas", 10**9)  # every write made by the server
-        call = journal._call_server_append
+        monkeypatch.setattr(journal.writes, "skip_cas", 10**9)  # every write made by the server
+        call = journal.writes._call_server_append
         replies: list[tuple[Any, ...]] = []
 
         def twice(doing: str, params: Any) -> tuple[Any, ...]:
@@ -97,7 +97,7 @@ def test_an_append_the_server_is_sent_twice_is_appended_once(pg_dsn: str, monkey
             replies.append(call(doing, params))
             return replies[-1]
 
-        monkeypatch.setattr(journal, "_call_server_append", twice)
+        monkeypatch.setattr(journal.writes, "_call_server_append", twice)
         journal.append_event(EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}", idempotency_key="k"))
         refused = EffectEvent("refused", None, "pay", reason={"code": "policy_violation", "message": "m"})
         stored = journal.append_event(refused)
@@ -159,7 +159,7 @@ def test_a_login_that_may_not_make_temporary_objects_appends_the_locked_way(
         with AirlockContext(metadata={"tool_call_id": "c1"}):
             first = charge("acct", "n")
             assert charge("acct", "n") == first  # a replay
-        assert not journal._server_append
+        assert not journal.datastore.server_append
         assert [e.kind for e in journal.events()] == ["pending", "committed", "replayed"]
         assert journal.verify().ok
     assert "the login may not make temporary objects" in caplog.text
@@ -169,13 +169,13 @@ def test_a_session_without_the_server_side_append_falls_back_to_the_locked_way(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with PostgresJournal(pg_dsn, pool_size=1) as journal:
-        monkeypatch.setattr(journal, "_skip_cas", 10**9)
+        monkeypatch.setattr(journal.writes, "skip_cas", 10**9)
         journal.append_event(EffectEvent("refused", None, "pay", reason={"code": "policy_violation", "message": "m"}))
-        with journal._pool.connection() as conn:  # the pool's one session loses its function
+        with journal.datastore.pool.connection() as conn:  # the pool's one session loses its function
             conn.execute(b"DROP FUNCTION pg_temp.airlock_append")
         decision = journal.begin("c1", lambda record: Decision(
             Verdict.RUN, EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}"), record))
-        assert decision.verdict is Verdict.RUN and not journal._server_append
+        assert decision.verdict is Verdict.RUN and not journal.datastore.server_append
         assert [e.kind for e in journal.events()] == ["refused", "pending"]
         assert journal.verify().ok
 
@@ -228,7 +228,7 @@ def test_two_objects_of_one_process_on_a_clock_that_stands_still_never_both_run_
     at = datetime.now(UTC)
     with PostgresJournal(pg_dsn) as first, PostgresJournal(pg_dsn) as second:
         for journal in (first, second):
-            monkeypatch.setattr(journal, "_skip_cas", 10**9)
+            monkeypatch.setattr(journal.writes, "skip_cas", 10**9)
         verdicts = [j.begin("c1", decide_as_the_guard("c1", at)).verdict for j in (first, second)]
         assert verdicts == [Verdict.RUN, Verdict.REFUSE]
         events = list(first.events())
@@ -265,7 +265,7 @@ def test_refusals_made_on_the_server_never_keep_a_record_another_replica_changed
     with PostgresJournal(pg_dsn) as first, PostgresJournal(pg_dsn) as second:
         first.begin("x", decide_as_the_guard("x", datetime.now(UTC)))
         first.append(EffectEvent("released", "x", "pay", attempt=1, error={"type": "E", "message": "m"}))
-        monkeypatch.setattr(first, "_skip_cas", 8)  # as after a contended write: the next 8 on the server
+        monkeypatch.setattr(first.writes, "skip_cas", 8)  # as after a contended write: the next 8 on the server
         second.begin("x", lambda record: Decision(
             Verdict.RUN, EffectEvent("pending", "x", "pay", attempt=2, arguments="{}"), record))
         for _ in range(9):  # a gate refuses x on the first object (its record not read)

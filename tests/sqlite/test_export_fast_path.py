@@ -19,7 +19,7 @@ from guard.canonical import canonical_json
 from guard.store import EffectEvent, current_owner
 from journal import JournalError, SQLiteJournal
 from journal.export import LineCloser, jsonl_lines, one_line_each
-from journal.reading import LogReads
+from journal.reading import LogReader
 
 REDACTIONS = [frozenset(), frozenset({"arguments"}), frozenset({"value"}), frozenset({"arguments", "value"})]
 
@@ -78,7 +78,7 @@ def awkward(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_the_fast_path_writes_the_row_paths_bytes(awkward: SQLiteJournal, redact: frozenset[str]) -> None:
     written = fast(awkward, redact=redact)
     assert written == row_path(awkward, redact)
-    assert written == b"".join(chunk for chunk, _ in LogReads.export_lines(awkward, redact=redact))
+    assert written == b"".join(chunk for chunk, _ in LogReader(awkward.datastore).export_lines(redact=redact))
     lines = written.decode().splitlines()  # every event one line, separators included
     assert len(lines) == awkward.count_events()
     events = [orjson.loads(line) for line in lines]

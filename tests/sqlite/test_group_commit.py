@@ -42,7 +42,7 @@ class SyncedUpTo:
         self.syncs = 0
         self.others: list[str] = []
         self.lock = threading.Lock()
-        wal = os.path.realpath(journal._wal_path)
+        wal = os.path.realpath(journal.datastore.wal_path)
         real = journal_sqlite._fdatasync
 
         def sync(fd: int) -> None:

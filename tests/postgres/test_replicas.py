@@ -365,14 +365,14 @@ def test_after_a_crash_lost_the_last_events_a_replica_never_writes_on_what_it_di
     first, second = PostgresJournal(pg_dsn, pool_size=1), PostgresJournal(pg_dsn, pool_size=1)
     assert first.begin("x", decide).verdict is Verdict.RUN  # pending: on disk before the tool runs
     if way == "on the server":
-        first._skip_cas = 10**9
+        first.writes.skip_cas = 10**9
     for replica in (first, second):
         # A session that opens makes its temporary function in a transaction of its own, whose
         # commit would flush the events the crash is to lose: every pool has its sessions first.
-        replica._pool.wait(10)
+        replica.datastore.pool.wait(10)
     crash_losing(pg_server, lambda: first.append(
         EffectEvent("released", "x", "pay", attempt=1, error={"type": "ValueError", "message": "m"})))
-    first._pool.check()  # its pool replaces the dead connection on its own: the journal never sees it die
+    first.datastore.pool.check()  # its pool replaces the dead connection on its own: the journal never sees it die
     assert [e.kind for e in second.events()] == ["pending"], "the crash was to lose the outcome"
     # Another replica brings the head back to seq 2, the lost outcome's place: a refusal (x is
     # pending again) or, for a reversible call, its attempt 2. The first replica remembers its lost
@@ -434,7 +434,7 @@ def test_a_child_forked_while_a_thread_holds_the_journals_lock_does_not_hang(pg_
     held, release = threading.Event(), threading.Event()
 
     def holder() -> None:
-        with journal._lock:  # as a thread in the middle of its first use in a new process would
+        with journal.datastore._lock:  # as a thread in the middle of its first use in a new process would
             held.set()
             release.wait(30)
 

@@ -20,7 +20,7 @@ from tests.pgserver import PgServer, fresh_database
 
 pytestmark = pytest.mark.postgres
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "postgres.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "postgres.md"
 ROLES = ("airlock_owner", "airlock_guard", "airlock_operator", "airlock_auditor")
 
 

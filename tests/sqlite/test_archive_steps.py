@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from journal import SQLiteJournal, archive_run, open_journal
-from journal.archive import sqlite_unfinished
+from journal.sqlite.archives import unfinished as sqlite_unfinished
 from tests.cli_support import ROOT, Tools, invoke, pending_with_live_owner, seed
 
 # A process that archives the journal's events older than now, letting go of them in steps of
@@ -324,7 +324,7 @@ def test_archiving_90_percent_gives_back_most_of_the_file(tmp_path: Path) -> Non
 def _as_version_6(path: Path) -> None:
     """Lay an archived journal out as version 6 did: no steps, and a copy of every call's row as of
     the start of the log in calls_archived (taken as version 6 took it)."""
-    from journal.archive_schema import record_of
+    from journal.sqlite.archive_schema import record_of
 
     conn = sqlite3.connect(path)
     with conn:

@@ -600,13 +600,13 @@ class Transactions:
     system call, seen with the file it was made on)."""
 
     def __init__(self, journal: SQLiteJournal, monkeypatch: pytest.MonkeyPatch) -> None:
-        conn = journal._connection()
+        conn = journal.datastore.connection()
         self.level = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}[conn.execute("PRAGMA synchronous").fetchone()[0]]
         self.kinds: list[str] = []
         self.committed: list[tuple[str, tuple[str, ...]]] = []
         self.last = ""
         conn.set_trace_callback(self.trace)
-        wal = os.path.realpath(journal._wal_path)
+        wal = os.path.realpath(journal.datastore.wal_path)
         fdatasync = journal_sqlite._fdatasync
 
         def recorded_sync(fd: int) -> None:
@@ -701,7 +701,7 @@ def test_a_value_nested_as_deep_as_it_can_be_stored_is_exported_and_verifies(
     journal: SQLiteJournal, redact: frozenset[str]
 ) -> None:
     from journal.chain import verify_lines
-    from journal.reading import LogReads
+    from journal.reading import LogReader
 
     value: Any = 1
     for _ in range(254):  # as deep as orjson writes, so as deep as a tool's value is ever stored
@@ -709,7 +709,8 @@ def test_a_value_nested_as_deep_as_it_can_be_stored_is_exported_and_verifies(
     journal.append(event("pending", "c1", minute=1))
     journal.append(event("committed", "c1", minute=2, value=orjson.dumps(value).decode()))
     own = b"".join(lines for lines, _ in journal.export_lines(redact=redact))
-    shared = b"".join(lines for lines, _ in LogReads.export_lines(journal, redact=redact))  # PostgreSQL's path
+    shared_reads = LogReader(journal.datastore)  # PostgreSQL's path
+    shared = b"".join(lines for lines, _ in shared_reads.export_lines(redact=redact))
     assert own == shared
     lines = [orjson.loads(line) for line in shared.splitlines()]
     assert verify_lines(lines).ok

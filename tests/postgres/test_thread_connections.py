@@ -82,11 +82,11 @@ def test_a_thread_takes_a_connection_from_the_pool_once_for_many_calls(pg_dsn: s
         runs = [0]
         call = guarded(journal, runs)
         call("warm")
-        before = journal._pool.get_stats().get("requests_num", 0)
+        before = journal.datastore.pool.get_stats().get("requests_num", 0)
         for n in range(20):
             call(f"c{n}")
             call(f"c{n}")  # and its replay
-        taken = journal._pool.get_stats().get("requests_num", 0) - before
+        taken = journal.datastore.pool.get_stats().get("requests_num", 0) - before
         assert runs[0] == 21
         assert taken == 0  # 40 calls of 2 appends and 1 each, all on the connection the thread kept
         assert journal.verify().ok
@@ -113,7 +113,7 @@ def test_connections_go_back_when_their_threads_end_and_all_close_with_the_journ
     call = guarded(journal, runs)
     in_threads(4, lambda n: [call(f"t{n}-{k}") for k in range(5)])
     gc.collect()
-    stats = journal._pool.get_stats()
+    stats = journal.datastore.pool.get_stats()
     assert stats.get("pool_available", 0) == stats.get("pool_size", -1)  # every connection is back, idle
     call("main")  # this thread keeps one
     journal.close()
@@ -146,10 +146,10 @@ def test_a_forked_child_leaves_the_connection_its_parent_kept_alone(pg_dsn: str)
         result = receive.recv()
         child.join(PATIENCE)
         assert result == ("ok", 1)
-        before = journal._pool.get_stats().get("requests_num", 0)
+        before = journal.datastore.pool.get_stats().get("requests_num", 0)
         call("after")
         # Made on the connection kept before the fork, alive: the child did not end its session.
-        assert journal._pool.get_stats().get("requests_num", 0) == before
+        assert journal.datastore.pool.get_stats().get("requests_num", 0) == before
         assert runs[0] == 2
         assert [e.call_id for e in journal.events()] == [
             "before", "before", "forked", "forked", "after", "after"]

@@ -32,8 +32,9 @@ from guard.store import Decision, EffectEvent, Verdict
 from journal import SQLiteJournal
 from journal.errors import JournalError
 from journal.sqlite import forks as journal_sqlite
+from journal.sqlite.group_commit import GroupCommit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_pending(call_id: str) -> Any:
@@ -215,7 +216,8 @@ def test_a_child_forked_during_an_fsync_can_close_the_journal_and_write(tmp_path
     try:
         for n in range(50):
             deadline = time.monotonic() + 5
-            while not journal._syncing and time.monotonic() < deadline:  # a thread's fsync is under way
+            # a thread's fsync is under way
+            while not journal.datastore.group._syncing and time.monotonic() < deadline:
                 pass
 
             def child(out: int, inbox: int, n: int = n) -> None:
@@ -253,11 +255,11 @@ def test_an_fsync_after_a_fork_let_go_of_the_connection_finds_the_wal_checkpoint
     os.waitpid(pid, 0)
     read_all(from_child)
     assert not os.path.exists(f"{path}-wal")  # checkpointed into the file by its last connection
-    journal._sync_wal()  # the WAL is gone
-    journal._sync_wal()
+    journal.datastore.group.sync_wal()  # the WAL is gone
+    journal.datastore.group.sync_wal()
     keeper = Keeper(path)  # another WAL, another process's
     try:
-        journal._sync_wal()  # the WAL is another file now
+        journal.datastore.group.sync_wal()  # the WAL is another file now
         assert journal.begin("after", run_pending("after")).verdict is Verdict.RUN
     finally:
         keeper.go()
@@ -289,7 +291,8 @@ def test_a_failed_first_open_in_a_child_fails_that_call_alone(tmp_path: Path) ->
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         os.write(out, f" b:{journal.begin('b', run_pending('b')).verdict.name}".encode())
-        os.write(out, f" inherited-used:{any(c is journal._conn for c in journal_sqlite._INHERITED)}".encode())
+        used = any(c is journal.datastore.current for c in journal_sqlite.INHERITED)
+        os.write(out, f" inherited-used:{used}".encode())
         journal.close()
 
     pid, from_child, to_child = fork_child(child)
@@ -336,7 +339,7 @@ def test_a_call_interrupted_while_its_write_waits_its_turn_is_never_recorded(tmp
 def test_an_interrupt_at_any_step_of_the_group_commit_leaves_it_working(tmp_path: Path) -> None:
     journal = SQLiteJournal(tmp_path / "j.db", durability="full", busy_timeout=5)
     journal.begin("warm", run_pending("warm"))
-    code = SQLiteJournal._wait_durable.__code__
+    code = GroupCommit.wait_durable.__code__
     lines = sorted({line for _, _, line in code.co_lines() if line is not None and line > code.co_firstlineno})
     interrupted = 0
     for n, target in enumerate(lines):
@@ -369,7 +372,7 @@ def test_an_interrupt_at_any_step_of_the_group_commit_leaves_it_working(tmp_path
         other.start()
         other.join(120)
         assert answers == [Verdict.RUN], f"after an interrupt at line {target}, another thread's begin got {answers}"
-        assert not journal._syncing
+        assert not journal.datastore.group._syncing
     assert interrupted >= len(lines) // 2  # the interrupts did land inside the group commit
     assert journal.verify().ok
     journal.close()

@@ -36,7 +36,7 @@ from tests.pgserver import PgServer, PgUnavailable, _start_managed, fresh_databa
 
 pytestmark = pytest.mark.postgres
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PATIENCE = 120.0  # a bound on every wait a loaded machine may need; never a measure
 LEASE = 3.0
 

@@ -476,9 +476,9 @@ def test_newest_first_reads_walk_the_index_without_sorting(tmp_path: Path, filte
     make_journal(path)
     with SQLiteJournal(path) as j:
         statements: list[str] = []
-        j._conn.set_trace_callback(statements.append)
+        j.datastore.current.set_trace_callback(statements.append)
         j.calls(**filters)
-        j._conn.set_trace_callback(None)
+        j.datastore.current.set_trace_callback(None)
     select = next(s for s in statements if s.startswith("SELECT") and "FROM calls" in s)
     conn = sqlite3.connect(path)
     details = " | ".join(row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {select}"))
@@ -594,7 +594,7 @@ def test_a_truncated_journal_is_refused_and_gains_no_side_files(tmp_path: Path, 
 
 def test_a_journal_named_by_a_link_that_leads_nowhere_is_not_made(tmp_path: Path) -> None:
     # A link to a journal not made yet, in a directory that is there, is where one is made (see
-    # test_sqlite_robustness); one to a missing directory, or a loop, leads nowhere a journal can be.
+    # test_robustness); one to a missing directory, or a loop, leads nowhere a journal can be.
     dangling, loop = tmp_path / "dangling.db", tmp_path / "loop.db"
     dangling.symlink_to(tmp_path / "gone.db")
     loop.symlink_to(loop)

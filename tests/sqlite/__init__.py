@@ -1,0 +1,1 @@
+"""The SQLite journal beyond the contracts every store keeps: its file, locks, processes and clock."""
