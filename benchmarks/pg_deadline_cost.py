@@ -25,10 +25,10 @@ from tests.pgserver import fresh_database, server
 
 def median_begin(dsn: str, calls: int, deadline: bool) -> float:
     journal = PostgresJournal(dsn, pool_size=1)
-    if not deadline:  # every connection made from now on goes without one
-        journal._set_deadline = lambda conn: None  # type: ignore[method-assign]
-        journal._pool.close()
-        journal._pool = journal._make_pool()
+    if not deadline:  # the pool's one session goes without one
+        with journal.datastore.pool.connection() as conn:
+            assert isinstance(conn, DeadlineConnection)
+            conn.set_deadline(None)
     times = []
     try:
         for n in range(calls):
@@ -37,9 +37,8 @@ def median_begin(dsn: str, calls: int, deadline: bool) -> float:
             started = time.perf_counter()
             journal.begin(call_id, lambda record, d=decision: d)
             times.append(time.perf_counter() - started)
-        conn = journal._pool.getconn()
-        assert isinstance(conn, DeadlineConnection) and (conn.answer_within is not None) == deadline
-        journal._pool.putconn(conn)
+        with journal.datastore.pool.connection() as conn:
+            assert isinstance(conn, DeadlineConnection) and (conn.answer_within is not None) == deadline
     finally:
         journal.close()
     return statistics.median(times[calls // 10:])  # past the warm-up

@@ -218,17 +218,18 @@ class _TimedConnection:
 def sqlite_statements(store: Any, path: Path_, calls: int) -> tuple[Counter[str], dict[str, list[float]]]:
     """How many statements of each kind a call issues (a trigger's run apart), and the seconds each
     statement of each kind took, in ``calls`` calls: counted and timed in two batches of their own."""
-    conn = getattr(store, "_conn", None)
+    datastore = getattr(store, "datastore", None)  # a SQLite journal's holds its connection
+    conn = getattr(datastore, "current", None)
     seen: Counter[str] = Counter()
     spent: dict[str, list[float]] = {}
     if not isinstance(conn, sqlite3.Connection):
         return seen, spent
-    store._conn = _TimedConnection(conn, spent)
+    datastore.current = _TimedConnection(conn, spent)
     try:
         for _ in range(calls):
             checked(path, path.call(next(path.ids)))
     finally:
-        store._conn = conn
+        datastore.current = conn
     last = [""]
 
     def traced(sql: str) -> None:

@@ -21,6 +21,7 @@ from click.core import ParameterSource
 from guard.store import parse_at
 from journal.errors import JournalError, JournalNotFound
 from journal.open import without_secrets
+from journal.urls import is_postgres_url
 
 from .export import write_all
 
@@ -252,7 +253,7 @@ def journal_target(ctx: click.Context, param: click.Parameter, value: str) -> st
     if not value.strip():
         raise click.BadParameter("is empty: give the path of a journal file or a postgresql:// URL", ctx, param,
                                  param_hint=hint)
-    if value.startswith(("postgresql://", "postgres://")):
+    if is_postgres_url(value):
         problem = url_problem(value)
         if problem is not None:
             raise click.BadParameter(f"{describe(value)} is not a PostgreSQL URL: {problem}", ctx, param,

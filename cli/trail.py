@@ -21,6 +21,7 @@ from journal import Journal, open_journal
 from journal.chain import GAP, verify_lines
 from journal.events import REDACTABLE, VerifyReport
 from journal.signing import SigningKey
+from journal.urls import is_postgres_url
 
 from . import audit, render
 from .export import NotJsonLines, read_export, write_events, write_file
@@ -112,7 +113,7 @@ def export(
 
 def _journal_file(output: Path, db: str) -> str | None:
     """Which of the SQLite journal ``db`` and the files SQLite keeps beside it ``output`` is, or None."""
-    if db.startswith(("postgresql://", "postgres://")):
+    if is_postgres_url(db):
         return None
     real = os.path.realpath(db)  # SQLite keeps its side files beside the file a link names
     for name in (db, f"{db}-wal", f"{db}-shm", f"{db}-journal", f"{real}-wal", f"{real}-shm", f"{real}-journal"):

@@ -27,8 +27,7 @@ from guard.store import EffectEvent, format_at
 from .chain import AHEAD
 from .errors import JournalError
 from .events import VerifyReport
-from .reading import page
-from .rows import EVENT_COLUMNS, event_from_row, holds
+from .rows import EVENT_COLUMNS, event_from_row, holds, page
 
 __all__ = [
     "APPROVAL_COLUMNS", "MAY_CHANGE_KINDS", "approval_events", "checked", "expected", "first_live_seq", "fold_event",
@@ -71,15 +70,6 @@ class _Conn(Protocol):
 
 def _sql(template: str, mark: str) -> str:
     return template.replace("?", mark)
-
-
-def _exists(conn: _Conn, mark: str) -> bool:
-    """Whether the journal has the table (a SQLite journal of an older version read as it is has
-    not; every PostgreSQL journal that opens has)."""
-    if mark != "?":
-        return True
-    found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'approvals'").fetchone()
-    return found is not None
 
 
 # -- rows --------------------------------------------------------------------------------------------
@@ -219,10 +209,8 @@ def requests(
             + page(limit, offset, unlimited)), params
 
 
-def stats(conn: _Conn, mark: str) -> tuple[int, str | None]:
+def stats(conn: _Conn) -> tuple[int, str | None]:
     """How many requests are open, and when the oldest of them was asked (its stored text)."""
-    if not _exists(conn, mark):
-        return 0, None
     found = conn.execute(_OPEN).fetchone()
     return (int(found[0]), found[1]) if found is not None else (0, None)
 
@@ -283,7 +271,7 @@ def _same(row: tuple[Any, ...], want: ApprovalRequest) -> bool:
 def checked(conn: _Conn, mark: str, report: VerifyReport) -> VerifyReport:
     """``report`` (of a log and calls that checked out), with the approvals projection compared
     with the fold of the log in the same snapshot (``conn``'s transaction)."""
-    if not report.ok or not _exists(conn, mark):
+    if not report.ok:
         return report
     end = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()
     log_end = int(end[0]) if end is not None else 0

@@ -1,39 +1,29 @@
 """Running an archive on a journal: the check before it, the removal of its events in steps, and
 the finishing of one that was stopped half-way. What ``airlock journal archive`` calls.
 
-On SQLite the check reads the journal in bounded memory (the log in ``seq`` order for the chain,
-then the log, the projection and its kept copies side by side in call id order), and the events
-are removed :data:`STEP` at a time, each step a short transaction of its own. Another store is
-checked with its own ``verify`` and its events are removed in one transaction.
+A store that archives in steps (:class:`~journal.archive.SteppedArchiveStore`: SQLite) checks
+itself in bounded memory, and its events are removed :data:`STEP` at a time, each step a short
+transaction of its own. Another store is checked with its own ``verify`` and its events are
+removed in one transaction.
 """
 
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
-from guard.store import CallRecord
-
-from . import approvals, archive, verifying
-from .archive import ArchivePlan, ArchiveStore
+from . import archive
+from .archive import ArchivePlan, ArchiveStore, SteppedArchiveStore
 from .errors import JournalError
 from .events import VerifyReport
-from .projection import fold_row
-from .rows import CALL_COLUMNS, EVENT_COLUMNS
-from .sqlite import SQLiteJournal, schema
 
 __all__ = ["STEP", "ArchivedMeanwhile", "check", "commit", "finish", "in_steps", "unfinished"]
 
 STEP = 5_000  # events a step removes: a guarded call waits for one step at most
-
-_EVENTS = ", ".join(EVENT_COLUMNS)
-_CALLS = ", ".join(CALL_COLUMNS)
 
 
 class ArchivedMeanwhile(JournalError):
@@ -53,28 +43,15 @@ class ArchivedMeanwhile(JournalError):
         return max(o.upto_seq for o in self.others) >= self.plan.last_seq
 
 
-def in_steps(journal: ArchiveStore) -> bool:
+def in_steps(journal: ArchiveStore) -> TypeGuard[SteppedArchiveStore]:
     """Whether ``journal`` removes archived events in steps (a SQLite journal)."""
-    return isinstance(journal, SQLiteJournal)
-
-
-def _reader(journal: ArchiveStore) -> sqlite3.Connection:
-    """A read-only connection of its own to a SQLite journal's file."""
-    assert isinstance(journal, SQLiteJournal)
-    path = Path(os.path.realpath(journal.path))
-    return sqlite3.connect(schema.reader_uri(path), uri=True, timeout=30.0)
+    return isinstance(journal, SteppedArchiveStore)
 
 
 def unfinished(journal: ArchiveStore) -> tuple[ArchivePlan, str] | None:
     """The rest of an archive of ``journal`` stopped before it let go of all its events, and its
     file; None when there is none."""
-    if not in_steps(journal):
-        return None
-    conn = _reader(journal)
-    try:
-        return archive.sqlite_unfinished(conn)
-    finally:
-        conn.close()
+    return journal.unfinished_archive() if in_steps(journal) else None
 
 
 def finish(journal: ArchiveStore, rest: ArchivePlan, file: str, shared: list[int] | None = None) -> int:
@@ -113,7 +90,7 @@ def commit(journal: ArchiveStore, plan: ArchivePlan, marks: list[tuple[int, str]
     steps before it stay done (the journal verifies, and the next archive finishes the rest)."""
     stepped = in_steps(journal)
     steps = archive.archive_steps(plan, marks) if stepped else [plan]
-    reclaim = getattr(journal, "reclaim_space", None) if stepped else None
+    reclaim = journal.reclaim_space if in_steps(journal) else None
     removed, freed, took = 0, 0, 0.0
     for n, step in enumerate(steps):
         if n:
@@ -174,89 +151,6 @@ def _last_line(path: Path) -> dict[str, Any] | None:
 
 
 def check(journal: ArchiveStore) -> VerifyReport:
-    """What ``verify`` reports of ``journal``; on SQLite, read in bounded memory whatever its size."""
-    if not in_steps(journal):
-        return journal.verify()
-    conn = _reader(journal)
-    try:
-        conn.execute("BEGIN")  # one snapshot for both passes
-        return _checked(conn)
-    except sqlite3.Error as e:
-        raise JournalError(f"the journal could not be read to check it: {e}") from e
-    finally:
-        conn.close()
-
-
-def _checked(conn: sqlite3.Connection) -> VerifyReport:
-    start = archive.sqlite_archived_head(conn)
-    chain = verifying.check_chain(conn.execute(f"SELECT {_EVENTS} FROM events ORDER BY seq"), start=start)
-    if not chain.ok:
-        return chain.report()
-    problem = _projection_problem(conn, start[0], chain.last_seq)
-    if problem is not None:
-        chain.fail(*problem)
-    return approvals.checked(conn, "?", chain.report())
-
-
-def _by_call(rows: Iterator[tuple[Any, ...]]) -> Iterator[tuple[str, list[tuple[Any, ...]]]]:
-    """Rows in call id order, grouped by call id."""
-    call_id: Any = None
-    group: list[tuple[Any, ...]] = []
-    for row in rows:
-        if row[0] != call_id and group:
-            yield call_id, group
-            group = []
-        call_id = row[0]
-        group.append(row)
-    if group:
-        yield call_id, group
-
-
-def _projection_problem(conn: sqlite3.Connection, start: int, log_end: int) -> tuple[int | None, str] | None:
-    """The first problem of the projection against the log folded onto the kept projection as of
-    ``start``, all three read side by side in call id order (one call in memory at a time); the
-    same problems, in the same precedence, as :func:`journal.verifying.compare_projection`."""
-    # Sorted by SQLite's external sort, which spills to temporary files past its cache: reading
-    # them through the call_id index would fetch each event from a page of its own.
-    events = _by_call(iter(conn.execute(
-        f"SELECT call_id, {_EVENTS} FROM events NOT INDEXED WHERE call_id IS NOT NULL ORDER BY call_id, seq")))
-    calls = iter(conn.execute(f"SELECT {_CALLS} FROM calls ORDER BY call_id"))
-    kept: Iterator[tuple[Any, ...]] = iter(())
-    if start:
-        kept = iter(conn.execute("SELECT call_id, record FROM calls_archived ORDER BY call_id"))
-    nexts: dict[str, Any] = {"e": next(events, None), "c": next(calls, None), "k": next(kept, None)}
-    stale: tuple[int | None, str] | None = None
-    lacking: tuple[int, str] | None = None
-    while any(v is not None for v in nexts.values()):
-        call_id = min(v[0] for v in nexts.values() if v is not None)
-        group = nexts["e"][1] if nexts["e"] is not None and nexts["e"][0] == call_id else []
-        row = nexts["c"] if nexts["c"] is not None and nexts["c"][0] == call_id else None
-        record = nexts["k"][1] if nexts["k"] is not None and nexts["k"][0] == call_id else None
-        if group:
-            nexts["e"] = next(events, None)
-        if row is not None:
-            nexts["c"] = next(calls, None)
-        if record is not None:
-            nexts["k"] = next(kept, None)
-        settled = row is not None and isinstance(row[15], int) and row[15] <= start
-        if not group and record is None and (row is None or settled):
-            continue  # a call untouched since the start: its row is its own
-        folded: dict[str, CallRecord] = {}
-        if record is not None:
-            folded[call_id] = CallRecord(call_id, *orjson.loads(record))
-        elif settled and row is not None:
-            folded[call_id] = CallRecord(*row)
-        for event in group:
-            fold_row(folded, event[1:])
-        expected = folded.get(call_id)
-        if row is None:
-            if expected is not None and (lacking is None or expected.last_seq < lacking[0]):
-                lacking = verifying.lacks(expected)
-            continue
-        found = verifying.row_problem(row, expected, log_end)
-        if found is not None:
-            ahead, problem = found
-            if ahead:
-                return problem
-            stale = stale or problem
-    return stale if stale is not None else lacking
+    """What ``verify`` reports of ``journal``; read in bounded memory whatever its size where the
+    store can (:meth:`~journal.archive.SteppedArchiveStore.check_archive`)."""
+    return journal.check_archive() if in_steps(journal) else journal.verify()

@@ -17,18 +17,17 @@ keeps every call's row, so that a retry of an archived call is still replayed or
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from guard.store import CallRecord
 
-from . import approvals, archive
+from . import archive
 from .errors import JournalError, JournalNotFound
 from .events import JournalEvent, VerifyReport
 from .open import open_journal
-from .projection import fold_row, record_row
+from .projection import fold_row
 from .protocol import EventImporter, Journal
 
 __all__ = ["CopyReport", "copy_from", "copy_journal", "import_events"]
@@ -125,83 +124,56 @@ def copy_from(
     if on_total is not None:
         on_total(last_seq - start)
     made = not _exists(destination)
-    try:
-        with open_journal(destination, create=True) as dst:
-            # The destination is checked inside the import's transaction: refused, it is rolled back.
+    with open_journal(destination, create=True) as dst:
+        # The destination is checked inside the import's transaction: refused, it is rolled back.
 
-            def check(copied: VerifyReport) -> None:
-                if not copied.ok or (copied.events, copied.head) != (last_seq - start, head):
-                    raise JournalError(
-                        f"the copy in {_name(dst)} does not verify: {copied.problem or 'its head differs'}"
-                        "; it was rolled back, and the destination left as it was"
-                    )
+        def check(copied: VerifyReport) -> None:
+            if not copied.ok or (copied.events, copied.head) != (last_seq - start, head):
+                raise JournalError(
+                    f"the copy in {_name(dst)} does not verify: {copied.problem or 'its head differs'}"
+                    "; it was rolled back, and the destination left as it was"
+                )
 
+        try:
             if start:
-                calls = _import_archived(src, dst, last_seq, head, progress, check)
+                calls = _import_archived(src, dst, last_seq, progress, check)
             else:
                 calls = import_events(dst, _bounded(src.events(), last_seq, progress), check)
-    except BaseException:
-        if made:
-            _remove(destination)  # a failed copy leaves nothing behind, not even an empty journal
-        raise
+        except BaseException:
+            if made:
+                # A failed copy leaves nothing behind, not even an empty journal. Best effort: the
+                # copy's own error is what is raised.
+                with contextlib.suppress(JournalError):
+                    dst.remove_if_empty()
+            raise
     return CopyReport(events=last_seq - start, calls=calls, head=head, archived=start)
 
 
 def _archived_head(src: Journal) -> int:
     """The ``seq`` the log of ``src`` starts after (0: nothing archived)."""
-    archived_head = getattr(src, "archived_head", None)
-    return 0 if archived_head is None else int(archived_head()[0])
-
-
-def _is_postgres(target: str) -> bool:
-    return target.startswith(("postgresql://", "postgres://"))
+    return int(src.archived_head()[0])
 
 
 def _exists(destination: str) -> bool:
-    """Whether a journal (or, for a path, any file) is already at ``destination``."""
-    if not _is_postgres(destination):
-        return os.path.lexists(destination)
+    """Whether a journal, or anything else that is not nothing, is already at ``destination``."""
     try:
         open_journal(destination, readonly=True, create=False).close()
     except JournalNotFound:
         return False
     except JournalError:
-        return True  # something is there (an older journal, say): never removed
+        return True  # something is there (an older journal, a foreign file, say): never removed
     return True
 
 
-def _remove(destination: str) -> None:
-    """Take away the journal a failed copy made at ``destination``: the SQLite file and the files
-    SQLite keeps beside it, or the journal's tables and functions in a PostgreSQL database (only
-    while its log is empty). Best effort: the copy's own error is what is raised."""
-    if not _is_postgres(destination):
-        for name in (destination, f"{destination}-wal", f"{destination}-shm", f"{destination}-journal"):
-            with contextlib.suppress(OSError):
-                os.unlink(name)
-        return
-    from .postgres.schema import TABLES
-
-    def drop(conn: Any) -> None:
-        conn.execute(b"LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
-        if conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
-            return  # someone began to use it meanwhile: left as it is
-        conn.execute(f"DROP TABLE IF EXISTS {', '.join(TABLES)} CASCADE".encode())
-        conn.execute(b"DROP FUNCTION IF EXISTS airlock_events_append_only() CASCADE")
-        conn.execute(b"DROP FUNCTION IF EXISTS airlock_archive_events(bigint, bigint, text, text, text)")
-
-    with contextlib.suppress(JournalError), open_journal(destination, create=False) as made:
-        made._write("remove the journal a failed copy made", drop, pipeline=False, retry=False)  # type: ignore[attr-defined]
-
-
-def _import_archived(src: Journal, dst: Journal, last_seq: int, head: str,
+def _import_archived(src: Journal, dst: Journal, last_seq: int,
                      progress: Callable[[int], None] | None, check: Callable[[VerifyReport], None]) -> int:
     """Copy the archived journal ``src`` into the empty ``dst``: its archives' records, the
     projection and the requests as of its archived head, then its events up to ``last_seq``
     (stored rows, as they are), the projection their fold onto the archived one; verified by
     ``check`` before the transaction commits. Returns the number of calls."""
     records = archive.recorded_archives(src)
-    snapshot = archive.archived_projection(src)
-    requests = archive.archived_requests(src)
+    snapshot = src.archived_projection()
+    requests = src.archived_requests()
     folded = {call_id: CallRecord(*row) for call_id, row in snapshot.items()}
     touched: dict[str, tuple[Any, ...]] = {}  # the archived rows of the calls the rest of the log moves
     start = _archived_head(src)
@@ -225,89 +197,7 @@ def _import_archived(src: Journal, dst: Journal, last_seq: int, head: str,
             if progress is not None:
                 progress(1)
 
-    if archive._store(dst) == "sqlite":
-        return _into_sqlite(dst, records, snapshot, touched, requests, rows(), folded, check)
-    if archive._store(dst) == "postgres":
-        return _into_postgres(dst, records, snapshot, requests, rows(), folded, last_seq, head, check)
-    raise JournalError(f"cannot copy an archived journal into {_name(dst)}")
-
-
-_TABLES_FIRST = ("calls", "calls_archived", "approvals", "approvals_archived", "archives")
-
-
-def _into_sqlite(dst: Journal, records: list[archive.ArchiveRecord], snapshot: dict[str, tuple[Any, ...]],
-                 touched: dict[str, tuple[Any, ...]], requests: list[tuple[str, str]],
-                 rows: Iterator[tuple[Any, ...]], folded: dict[str, CallRecord],
-                 check: Callable[[VerifyReport], None]) -> int:
-    """The copy of an archived journal into the empty SQLite journal ``dst``, in one transaction.
-    Its projection as of the archived head is kept copy-on-write, as an archive keeps it: a copy
-    in calls_archived of each call the rest of the log moves, every other call's row its own."""
-    import sqlite3
-
-    from .sqlite.connection import _FULL
-    from .sqlite.sql import _INSERT_EVENT, _UPSERT_CALL
-
-    def step(conn: sqlite3.Connection) -> int:
-        if conn.execute("SELECT EXISTS (SELECT 1 FROM events)").fetchone()[0]:
-            raise JournalError(f"the destination {_name(dst)} is not empty; copy only into a new journal")
-        for table in _TABLES_FIRST:  # rows left with no log (calls first: no archive yet, no copy taken)
-            conn.execute(f"DELETE FROM {table}")
-        conn.executemany(
-            "INSERT INTO archives (last_seq, last_hash, events, archived_at, file, upto_seq, upto_hash) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(a.last_seq, a.last_hash, a.events, a.archived_at, a.file, a.upto_seq, a.upto_hash) for a in records])
-        conn.executemany(_INSERT_EVENT, rows)
-        conn.executemany("INSERT INTO calls_archived (call_id, record) VALUES (?, ?)",
-                         [archive.stored_copy(row) for row in touched.values()])
-        conn.executemany(_UPSERT_CALL, (record_row(record) for record in folded.values()))
-        conn.executemany("INSERT INTO approvals_archived (request_id, request) VALUES (?, ?)", requests)
-        approvals.rebuild(conn, "?")
-        calls = len(folded)
-        folded.clear()  # the check folds the log again: one fold in memory at a time
-        snapshot.clear()
-        check(dst._verified_log(conn))  # type: ignore[attr-defined]  # raises to refuse: undone
-        return calls
-
-    return dst._write(_FULL, step)  # type: ignore[attr-defined,no-any-return]
-
-
-def _into_postgres(dst: Journal, records: list[archive.ArchiveRecord], snapshot: dict[str, tuple[Any, ...]],
-                   requests: list[tuple[str, str]], rows: Iterator[tuple[Any, ...]], folded: dict[str, CallRecord],
-                   last_seq: int, head: str, check: Callable[[VerifyReport], None]) -> int:
-    """The copy of an archived journal into the empty PostgreSQL journal ``dst``, in one
-    transaction; it keeps a copy of every archived call's row, as a PostgreSQL archive does."""
-    from .postgres.sql import _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
-    from .rows import EVENT_COLUMNS
-
-    def work(conn: Any) -> int:
-        seq = (conn.execute(_LOCK_HEAD.encode()).fetchone() or (0,))[0]
-        if seq or conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
-            raise JournalError(f"the destination {_name(dst)} is not empty; copy only into a new journal")
-        for table in _TABLES_FIRST:
-            conn.execute(f"DELETE FROM {table}".encode())
-        with conn.cursor() as cur:
-            cur.executemany(b"INSERT INTO archives (last_seq, last_hash, events, archived_at, file) "
-                            b"VALUES (%s, %s, %s, %s, %s)",
-                            [(a.last_seq, a.last_hash, a.events, a.archived_at, a.file) for a in records])
-            cur.executemany(b"INSERT INTO calls_archived (call_id, record) VALUES (%s, %s)",
-                            [archive.stored_copy(row) for row in snapshot.values()])
-            cur.executemany(b"INSERT INTO approvals_archived (request_id, request) VALUES (%s, %s)", requests)
-        with conn.cursor().copy(f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN".encode()) as copy:
-            for row in rows:
-                copy.write_row(row)
-        with conn.cursor() as cur:
-            cur.executemany(_UPSERT_CALL.encode(), [record_row(record) for record in folded.values()])
-        approvals.rebuild(conn, "%s")
-        conn.execute(_SET_HEAD.encode(), (last_seq, head))
-        conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
-        calls = len(folded)
-        folded.clear()
-        snapshot.clear()
-        check(dst._verify(conn))  # type: ignore[attr-defined]  # before the commit: refused, nothing stays
-        return calls
-
-    # Not retried: the events are consumed as they are copied.
-    return dst._write("copy events", work, pipeline=False, retry=False)  # type: ignore[attr-defined,no-any-return]
+    return dst.import_archived(records, snapshot, touched, requests, rows(), folded, check)
 
 
 def _name(journal: Journal) -> str:

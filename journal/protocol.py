@@ -1,31 +1,28 @@
 """The operator's API of a journal: what the CLI and the copy ask of a store, whichever store it is.
 
 :class:`Journal` is what :func:`journal.open_journal` returns. :class:`~journal.SQLiteJournal` and
-:class:`~journal.postgres.PostgresJournal` implement it, and mypy checks both (in ``open_journal`` and
-:func:`_implemented`). A new operator method is written in both stores (or once, in a base both
-take, as ``reconcile`` is) and declared here, in the group it belongs to, with the same keyword
-names and defaults; the CLI then calls it with no cast.
+:class:`~journal.postgres.PostgresJournal` implement it, and mypy checks both where
+``open_journal`` returns them. A new operator method is written once, in the base both take
+(:class:`journal.sql_journal.SQLJournal`), or in both stores where they differ, and declared here,
+in the group it belongs to, with the same keyword names and defaults; the CLI then calls it with
+no cast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 from guard.approvals import ApprovalRequest, ApprovalStep, T
 from guard.leases import LeaseStore
 from guard.reconcile import DEFAULT_CHECK_TIMEOUT, Check, ReconcileResult
 from guard.store import CallRecord, EffectStore
 
-from .archive import ArchiveStore
+from .archive import ArchivedImporter, ArchiveReading, ArchiveStore
 from .events import JournalEvent, JournalStats, VerifyReport
 
-if TYPE_CHECKING:
-    from .postgres import PostgresJournal
-    from .sqlite import SQLiteJournal
-
-__all__ = ["EventImporter", "Journal"]
+__all__ = ["EventImporter", "Journal", "Removable"]
 
 
 @runtime_checkable
@@ -41,12 +38,29 @@ class EventImporter(Protocol):
 
 
 @runtime_checkable
-class Journal(EffectStore, LeaseStore, ArchiveStore, EventImporter, Protocol):
+class Removable(Protocol):
+    """A journal that takes itself away while its log is empty (what a failed copy made, see
+    :mod:`journal.copy`)."""
+
+    def remove_if_empty(self) -> bool:
+        """When the log holds no event, remove the journal (a SQLite file and the files beside it,
+        or the tables and functions of a PostgreSQL journal) and close this object; returns whether
+        it was removed (False: it holds events, and was left as it is). Raises
+        :class:`~journal.errors.JournalError` when it cannot be written."""
+        ...
+
+
+@runtime_checkable
+class Journal(EffectStore, LeaseStore, ArchiveStore, ArchiveReading, ArchivedImporter, EventImporter, Removable,
+              Protocol):
     """A durable :class:`~guard.store.EffectStore` (``begin``, ``append``, ``get``) that keeps
     leases (:class:`~guard.leases.LeaseStore`, ``owner_states`` among them), requests for approval
     (:class:`~guard.approvals.ApprovalStore`) and archives its log
-    (:class:`~journal.archive.ArchiveStore`), with the operator's reads, checks and repairs. Use it
-    as a context manager: leaving it closes it."""
+    (:class:`~journal.archive.ArchiveStore`), with the operator's reads, checks and repairs. What
+    :mod:`journal.copy` and :mod:`journal.archive` read of a journal's archives and give a copy
+    (:class:`~journal.archive.ArchiveReading`, :class:`~journal.archive.ArchivedImporter`,
+    :class:`EventImporter`, :class:`Removable`) every journal offers too. Use it as a context
+    manager: leaving it closes it."""
 
     # -- calls ---------------------------------------------------------------------------------
 
@@ -212,8 +226,3 @@ class Journal(EffectStore, LeaseStore, ArchiveStore, EventImporter, Protocol):
     def __enter__(self) -> Self: ...
 
     def __exit__(self, *exc: object) -> None: ...
-
-
-def _implemented(sqlite: SQLiteJournal, postgres: PostgresJournal) -> tuple[Journal, Journal]:
-    """Never called: mypy checks here that both stores implement :class:`Journal`."""
-    return sqlite, postgres

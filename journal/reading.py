@@ -1,24 +1,30 @@
-"""The reads both SQL journals make the same way, written once on each store's two primitives:
-``_rows`` (one statement, its rows) and ``_snapshot`` (several statements that see one moment).
+"""The reads both SQL journals make the same way, written once on each store's datastore
+(:class:`~journal.datastore.Datastore`): ``rows`` (one statement, its rows) and ``snapshot``
+(several statements that see one moment).
 
-The statements are the same on both backends but for the placeholder (``_placeholder``), the ``LIMIT``
-that means all (``_unlimited``), and whether a text may hold a NUL (``_nul``)."""
+The statements are the same on both backends but for the words of its
+:class:`~journal.datastore.Dialect`: the placeholder, the ``LIMIT`` that means all, whether a text
+may hold a NUL."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
+from guard.approvals import ApprovalRequest
 from guard.store import CallRecord, format_at, parse_at
 
+from . import approvals
+from .datastore import Datastore, Dialect
 from .events import JournalEvent, JournalStats
 from .export import csv_header, csv_lines, jsonl_lines, one_line_each
-from .rows import CALL_COLUMNS, EVENT_COLUMNS, event_from_row, holds, operator_event, record_from_row
+from .rows import CALL_COLUMNS, EVENT_COLUMNS, event_from_row, holds, page, record_from_row
 
-__all__ = ["LogReads", "call_filter", "event_filter", "page"]
+__all__ = ["Counts", "LogReader", "call_filter", "event_filter", "page"]
 
-T = TypeVar("T")
+# What stats() reports, as stored (see LogReader.counts).
+Counts = tuple[dict[str, int], dict[str, int], dict[str, str], int, tuple[int, str | None]]
 _LINES_A_BATCH = 1000
 _BATCH = 1000  # rows of events read at a time
 _CALLS = f"SELECT {', '.join(CALL_COLUMNS)} FROM calls"
@@ -75,18 +81,6 @@ def call_filter(
     return [any_of, *clauses], [*statuses, *params]
 
 
-def page(limit: int | None, offset: int, unlimited: str) -> str:
-    """The ``LIMIT``/``OFFSET`` clause of a page of ``calls()``: at most ``limit`` calls (None: all)
-    after the first ``offset``; ``unlimited`` is the driver's limit for all (``-1``, ``ALL``).
-    Raises ``ValueError`` for a negative number."""
-    for name, number in (("limit", limit), ("offset", offset)):
-        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 0):
-            raise ValueError(f"{name} is a number of calls, 0 or more, not {number!r}")
-    if limit is None and not offset:
-        return ""
-    return f" LIMIT {unlimited if limit is None else int(limit)}" + (f" OFFSET {int(offset)}" if offset else "")
-
-
 def event_filter(
     mark: str, nul: bool, call_id: str | None, tool: str | None, agent_id: str | None,
     since: datetime | None, until: datetime | None,
@@ -97,21 +91,19 @@ def event_filter(
                    (("at >=", since), ("at <", until)))
 
 
-class LogReads:
-    """The operator's reads of a SQL journal: calls, events, counts, stats and the exports."""
+class LogReader:
+    """The operator's reads of a SQL journal: calls, events, counts, stats and the exports, on
+    ``datastore``. A store with a quicker way to some of them (SQLite's
+    :class:`~journal.sqlite.reads.Reader`) subclasses it and overrides those: :meth:`counts`,
+    :meth:`export_lines`, :meth:`export_csv`."""
 
-    _placeholder = "?"  # the driver's placeholder
-    _unlimited = "-1"  # what LIMIT takes for all rows
-    _nul = True  # whether the database holds a NUL in a text
-    _sort_apart = "+"  # before a column of ORDER BY: sort the rows, the column's index unused
-
-    def _rows(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        """The rows of one statement (``doing`` names it in an error)."""
-        raise NotImplementedError
-
-    def _snapshot(self, doing: str, statements: Sequence[str]) -> list[list[tuple[Any, ...]]]:
-        """The rows of each of ``statements``, all read in one snapshot."""
-        raise NotImplementedError
+    def __init__(self, datastore: Datastore) -> None:
+        self._datastore = datastore
+        dialect: Dialect = datastore.dialect
+        self._mark, self._unlimited, self._nul, self._sort_apart = (
+            dialect.placeholder, dialect.unlimited, dialect.nul, dialect.sort_apart)
+        self._rows = datastore.rows
+        self._decoded = datastore.decoded
 
     def calls(
         self,
@@ -129,8 +121,7 @@ class LogReads:
         (one, or any of several), tool, agent, idempotency key, ``updated_at >= since`` and
         ``updated_at < until``; at most ``limit`` (None: all), after skipping the first ``offset``
         (the pages of a long list)."""
-        clauses, params = call_filter(self._placeholder, self._nul, status, tool, agent_id, since, until,
-                                      idempotency_key)
+        clauses, params = call_filter(self._mark, self._nul, status, tool, agent_id, since, until, idempotency_key)
         sql = _CALLS + (" WHERE " + " AND ".join(clauses) if clauses else "")
         # Every call of some statuses: one scan and a sort of those, not a walk of the whole
         # projection in the order of its index on updated_at (twice as slow on SQLite).
@@ -150,10 +141,10 @@ class LogReads:
     ) -> Iterator[tuple[Any, ...]]:
         """What :meth:`events` gives, as the stored rows (columns of ``journal.rows.EVENT_COLUMNS``:
         ``at`` and the JSON fields as their stored text), in batches, for exports that stream millions."""
-        clauses, params = event_filter(self._placeholder, self._nul, call_id, tool, agent_id, since, until)
+        clauses, params = event_filter(self._mark, self._nul, call_id, tool, agent_id, since, until)
         # Up to the head as it is now: a reader never chases writers that keep appending.
         head = int(self._rows("read the events", "SELECT coalesce(max(seq), 0) FROM events")[0][0])
-        mark = self._placeholder
+        mark = self._mark
         sql = (f"{_EVENTS} WHERE {' AND '.join([f'seq > {mark}', f'seq <= {mark}', *clauses])} "
                f"ORDER BY seq LIMIT {_BATCH}")
         last = after_seq
@@ -175,28 +166,29 @@ class LogReads:
         after_seq: int = 0,
     ) -> int:
         """How many events :meth:`events` with the same filters would give now."""
-        clauses, params = event_filter(self._placeholder, self._nul, call_id, tool, agent_id, since, until)
-        sql = f"SELECT count(*) FROM events WHERE {' AND '.join([f'seq > {self._placeholder}', *clauses])}"
+        clauses, params = event_filter(self._mark, self._nul, call_id, tool, agent_id, since, until)
+        sql = f"SELECT count(*) FROM events WHERE {' AND '.join([f'seq > {self._mark}', *clauses])}"
         return int(self._rows("count the events", sql, [after_seq, *params])[0][0])
 
     def stats(self) -> JournalStats:
         """Counts of calls by status and by tool, the number of events, and when the oldest pending
         and unknown calls entered that status; all of one moment, however many writers there are."""
-        by_status, by_tool, oldest, events, (approvals_open, oldest_open) = self._counts()
+        by_status, by_tool, oldest, events, (approvals_open, oldest_open) = self.counts()
+        decoded = self._decoded
         return JournalStats(
             calls=sum(by_status.values()), events=events, by_status=dict(sorted(by_status.items())),
             by_tool=dict(sorted(by_tool.items())),
-            oldest_pending_at=self._decoded(parse_at, oldest["pending"]) if "pending" in oldest else None,
-            oldest_unknown_at=self._decoded(parse_at, oldest["unknown"]) if "unknown" in oldest else None,
+            oldest_pending_at=decoded(parse_at, oldest["pending"]) if "pending" in oldest else None,
+            oldest_unknown_at=decoded(parse_at, oldest["unknown"]) if "unknown" in oldest else None,
             approvals_open=approvals_open,
-            oldest_open_approval_at=self._decoded(parse_at, oldest_open) if oldest_open is not None else None,
+            oldest_open_approval_at=decoded(parse_at, oldest_open) if oldest_open is not None else None,
         )
 
-    def _counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, str], int, tuple[int, str | None]]:
+    def counts(self) -> Counts:
         """What :meth:`stats` reports, as stored: the calls by status, by tool, the stored time the
         oldest pending and unknown call entered its status, the number of events, and the number
         of open requests for approval with the stored time the oldest was asked."""
-        groups, events, open_requests = self._snapshot("read the stats", _STATS)
+        groups, events, open_requests = self._datastore.snapshot("read the stats", _STATS)
         by_status: dict[str, int] = {}
         by_tool: dict[str, int] = {}
         oldest: dict[str, str] = {}
@@ -208,30 +200,6 @@ class LogReads:
                 oldest[status] = since
         opened = open_requests[0] if open_requests else (0, None)
         return by_status, by_tool, oldest, int(events[0][0]), (int(opened[0]), opened[1])
-
-    def _decoded(self, decode: Callable[[Any], T], row: Any) -> T:
-        raise NotImplementedError
-
-    def get(self, call_id: str) -> CallRecord | None:
-        raise NotImplementedError
-
-    def _label(self) -> str:
-        """How the journal's messages name it (never with a password)."""
-        raise NotImplementedError
-
-    def check_resolve(
-        self, call_id: str, *, applied: bool, reason: str, operator: str, value: str | None = None,
-        force: bool = False,
-    ) -> None:
-        """Raise what ``resolve`` would raise for these arguments, on the call's current record,
-        and write nothing: a check that also works on a journal opened ``readonly``, so a resolve
-        that is refused changes nothing at all (not even an older journal's schema version)."""
-        record = self.get(call_id)
-        owner_alive: bool | None = None
-        if record is not None and record.status == "pending":
-            owner_alive = self.owner_states([record])[record.call_id].alive  # type: ignore[attr-defined]
-        operator_event(call_id, record, applied=applied, reason=reason, operator=operator,
-                       value=value, force=force, journal=self._label(), owner_alive=owner_alive)
 
     def events(
         self,
@@ -253,6 +221,25 @@ class LogReads:
     def call_events(self, call_id: str) -> list[JournalEvent]:
         """Every event of ``call_id`` (refusals included) in ``seq`` order; [] for an id never seen."""
         return list(self.events(call_id=call_id))
+
+    def approval_requests(
+        self, *, call_id: str | None = None, request_id: str | None = None, status: str | None = None,
+        tool: str | None = None, limit: int | None = None, offset: int = 0,
+    ) -> list[ApprovalRequest]:
+        """The requests for approval, newest first (by the seq they were asked at), filtered by
+        call, request id, status and tool; at most ``limit`` (None: all) after the first ``offset``."""
+        sql, params = approvals.requests(self._mark, self._nul, self._unlimited, call_id=call_id,
+                                         request_id=request_id, status=status, tool=tool, limit=limit, offset=offset)
+        if not self.keeps_requests():
+            return []
+        return [self._decoded(approvals.request_from_row, row)
+                for row in self._rows("read the requests for approval", sql, params)]
+
+    def keeps_requests(self) -> bool:
+        """Whether the journal keeps requests for approval: every journal does, but one of a
+        version from before them that a store reads as it is (see SQLite's
+        :class:`~journal.sqlite.reads.Reader`)."""
+        return True
 
     def export_lines(
         self,

@@ -10,11 +10,11 @@ from typing import Any, Protocol, TypeVar
 
 from guard.store import CallRecord
 
-from .projection import before, fold_calls, fold_into, fold_row, folded_onto, in_order, record_row
+from .projection import before, fold_calls, fold_into, folded_onto, in_order, record_row
 from .rows import event_from_row, record_from_row
-from .verifying import ADVANCE_EVERY, ArchivedProjection
+from .verifying import ADVANCE_EVERY
 
-__all__ = ["ByCall", "Decoding", "archived_changes", "as_logged", "changes", "checked_row"]
+__all__ = ["ByCall", "Decoding", "as_logged", "changes", "checked_row"]
 
 log = logging.getLogger("journal")
 
@@ -88,33 +88,6 @@ def changes(
     while record is not None:
         yield record.call_id, decoded(checked_row, record)
         record = next(folded, None)
-
-
-def archived_changes(
-    events: Iterable[tuple[Any, ...]], archived: ArchivedProjection, decoded: Decoding,
-    advance: Callable[[int], None] | None = None,
-) -> list[tuple[Any, tuple[Any, ...] | None]]:
-    """:func:`changes` for a journal with archives: the log ``events`` (stored rows, in ``seq``
-    order) folded on their stored texts onto ``archived`` (the projection as of the last
-    archive's head, as verify reads it), holding only the calls the log touches and the kept
-    copies that differ from their row; every other row is already what the fold makes of it."""
-    folded: dict[str, CallRecord] = {}
-    for row in events:
-        if advance is not None and row[0] % ADVANCE_EVERY == 0:
-            advance(ADVANCE_EVERY)
-        archived.seed(folded, row[2])
-        fold_row(folded, row)
-    found: list[tuple[Any, tuple[Any, ...] | None]] = []
-    for stored in archived.rows(folded):
-        record = folded.pop(stored[0], None)
-        if record is None:
-            found.append((stored[0], None))
-            continue
-        row = decoded(checked_row, record)
-        if row != tuple(stored):
-            found.append((stored[0], row))
-    found.extend((call_id, decoded(checked_row, record)) for call_id, record in folded.items())
-    return found
 
 
 def checked_row(record: CallRecord) -> tuple[Any, ...]:

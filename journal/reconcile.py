@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
-from guard.leases import OwnerState
+from guard.leases import LeaseStore
 from guard.reconcile import (
     DEFAULT_CHECK_TIMEOUT,
     Applied,
@@ -18,9 +18,9 @@ from guard.reconcile import (
     run_check,
 )
 from guard.settling import reconcile_record
-from guard.store import CallRecord, utc_now
+from guard.store import CallRecord, EffectStore, utc_now
 
-__all__ = ["Reconciling", "in_doubt"]
+__all__ = ["Reconcilable", "Reconciler", "in_doubt"]
 
 _IN_DOUBT = ("pending", "unknown")
 
@@ -50,9 +50,19 @@ def in_doubt(journal: Any, tool: str | None = None, older_than: timedelta | floa
     return sorted(records, key=lambda r: (r.since, r.call_id))
 
 
-class Reconciling:
-    """``reconcile`` for a journal that has ``calls``, ``owner_states``, ``claim_lease``,
-    ``drop_lease`` and ``settle``."""
+class Reconcilable(EffectStore, LeaseStore, Protocol):
+    """What ``reconcile`` asks of a journal: its calls, its leases and ``settle``."""
+
+    def calls(
+        self, *, status: str | Sequence[str] | None = None, tool: str | None = None, limit: int | None = 50,
+    ) -> list[CallRecord]: ...
+
+
+class Reconciler:
+    """``reconcile`` on ``journal`` (a store's facade, whose parts give it calls, leases and ``settle``)."""
+
+    def __init__(self, journal: Reconcilable) -> None:
+        self._journal = journal
 
     def reconcile(
         self,
@@ -74,9 +84,9 @@ class Reconciling:
         """
         if not isinstance(checks, Mapping) or not all(callable(c) for c in checks.values()):
             raise TypeError("checks is a mapping of tool name to check (a function of an InDoubtCall)")
-        records = in_doubt(self, tool, older_than)
-        states: dict[str, OwnerState] = self.owner_states(  # type: ignore[attr-defined]
-            [r for r in records if r.status == "pending"])
+        journal = self._journal
+        records = in_doubt(journal, tool, older_than)
+        states = journal.owner_states([r for r in records if r.status == "pending"])
         results: list[ReconcileResult] = []
         for record in records:
             check = checks.get(record.tool)
@@ -90,7 +100,7 @@ class Reconciling:
             elif dry_run:
                 results.append(_asked(record, check, timeout))
             else:
-                outcome, message, seq = reconcile_record(self, record, check, timeout=timeout)  # type: ignore[arg-type]
+                outcome, message, seq = reconcile_record(journal, record, check, timeout=timeout)
                 results.append(ReconcileResult(record.call_id, record.tool, outcome, message, seq))
         return results
 

@@ -1,8 +1,9 @@
 """Settling a call and resolving it by hand: written once for both SQL journals.
 
-Each store gives one primitive, ``_append_chosen``: in one write transaction, read the call's
+Each store gives one primitive, ``append_chosen``: in one write transaction, read the call's
 record, let a function choose the event from it (and from whether the owner of the pending call is
-alive, asked only when needed), and append that event after the log's head.
+alive, asked only when needed), and append that event after the log's head. :class:`Resolver` is
+built on it.
 """
 
 from __future__ import annotations
@@ -11,17 +12,22 @@ from collections.abc import Callable
 from typing import Any
 
 from guard.canonical import NotCanonical
-from guard.leases import Settle
+from guard.leases import OwnerState, Settle
 from guard.store import CallRecord, EffectEvent
 
 from .errors import unstorable
 from .events import JournalEvent
 from .rows import holds, operator_event
 
-__all__ = ["Choose", "Resolving", "stored_event"]
+__all__ = ["AppendChosen", "Choose", "Resolver", "check_resolve", "stored_event"]
 
 # Chooses the event to append from the call's record and a question: is its owner alive?
 Choose = Callable[[CallRecord | None, Callable[[], bool | None]], EffectEvent | None]
+
+# A store's primitive: ``append_chosen(doing, call_id, choose)``, in one write transaction, the
+# call's record, the event ``choose`` makes of it (None: nothing is written) appended; returns the
+# stored event.
+AppendChosen = Callable[[str, str, Choose], JournalEvent | None]
 
 
 def stored_event(event: EffectEvent, seq: int, prev_hash: str, digest: str) -> JournalEvent:
@@ -35,18 +41,34 @@ def stored_event(event: EffectEvent, seq: int, prev_hash: str, digest: str) -> J
     )
 
 
-class Resolving:
-    """``settle`` (a reconciler's compare-and-set) and ``resolve`` (an operator's), on ``_append_chosen``."""
+def check_resolve(
+    get: Callable[[str], CallRecord | None], owner_states: Callable[[list[CallRecord]], dict[str, OwnerState]],
+    label: str, call_id: str, *, applied: bool, reason: str, operator: str, value: str | None = None,
+    force: bool = False,
+) -> None:
+    """Raise what ``resolve`` would raise for these arguments, on the call's current record (read
+    with ``get``, its owner judged by ``owner_states``), and write nothing."""
+    record = get(call_id)
+    owner_alive: bool | None = None
+    if record is not None and record.status == "pending":
+        owner_alive = owner_states([record])[record.call_id].alive
+    operator_event(call_id, record, applied=applied, reason=reason, operator=operator,
+                   value=value, force=force, journal=label, owner_alive=owner_alive)
 
-    _nul = True  # whether the database holds a NUL in a text
 
-    def _append_chosen(self, doing: str, call_id: str, choose: Choose) -> JournalEvent | None:
-        """In one write transaction: the call's record, the event ``choose`` makes of it (None:
-        nothing is written), appended; returns the stored event."""
-        raise NotImplementedError
+class Resolver:
+    """``settle`` (a reconciler's compare-and-set) and ``resolve`` (an operator's) on a store's
+    ``append_chosen``; ``check_resolve`` on its ``get`` and ``owner_states``. ``label`` names the
+    journal in messages; ``nul``: whether the database holds a NUL in a text."""
 
-    def _label(self) -> str:
-        raise NotImplementedError
+    def __init__(self, append_chosen: AppendChosen, label: str, nul: bool,
+                 get: Callable[[str], CallRecord | None],
+                 owner_states: Callable[[list[CallRecord]], dict[str, OwnerState]]) -> None:
+        self._append_chosen = append_chosen
+        self._label = label
+        self._nul = nul
+        self._get = get
+        self._owner_states = owner_states
 
     def settle(self, call_id: str, choose: Settle) -> int | None:
         """Read the call's record, let ``choose`` make the event, append it; in one write
@@ -57,7 +79,7 @@ class Resolving:
         try:
             stored = self._append_chosen("settle the call", call_id, lambda record, _: choose(record))
         except (UnicodeEncodeError, NotCanonical) as e:
-            raise unstorable(self._label(), e) from e
+            raise unstorable(self._label, e) from e
         return None if stored is None else stored.seq
 
     def resolve(
@@ -79,12 +101,21 @@ class Resolving:
         and its process as :mod:`journal.leasing` judges them; unless ``force``), ``ValueError`` for a ``value``
         that is not JSON or given with ``applied=False``. Nothing changes when it raises.
         """
-        label = self._label()
         arguments: dict[str, Any] = {"applied": applied, "reason": reason, "operator": operator, "value": value,
-                                     "force": force, "journal": label}
+                                     "force": force, "journal": self._label}
         if not holds(call_id, nul=self._nul):  # no call has it: what is wrong with the arguments, else CallNotFound
             operator_event(call_id, None, **arguments)
         stored = self._append_chosen("resolve the call", call_id, lambda record, owner_alive: operator_event(
             call_id, record, owner_alive=owner_alive(), **arguments))
         assert stored is not None  # operator_event makes an event or raises
         return stored
+
+    def check_resolve(
+        self, call_id: str, *, applied: bool, reason: str, operator: str, value: str | None = None,
+        force: bool = False,
+    ) -> None:
+        """Raise what :meth:`resolve` would raise for these arguments, on the call's current record,
+        and write nothing: a check that also works on a journal opened ``readonly``, so a resolve
+        that is refused changes nothing at all (not even an older journal's schema version)."""
+        check_resolve(self._get, self._owner_states, self._label, call_id, applied=applied, reason=reason,
+                      operator=operator, value=value, force=force)

@@ -33,6 +33,7 @@ __all__ = [
     "event_row",
     "json_text",
     "operator_event",
+    "page",
     "placed",
     "record_from_row",
     "split_body",
@@ -81,6 +82,19 @@ def holds(text: str, nul: bool = True) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def page(limit: int | None, offset: int, unlimited: str) -> str:
+    """The ``LIMIT``/``OFFSET`` clause of a page of ``calls()`` (or of the requests for approval): at
+    most ``limit`` calls (None: all)
+    after the first ``offset``; ``unlimited`` is the driver's limit for all (``-1``, ``ALL``).
+    Raises ``ValueError`` for a negative number."""
+    for name, number in (("limit", limit), ("offset", offset)):
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 0):
+            raise ValueError(f"{name} is a number of calls, 0 or more, not {number!r}")
+    if limit is None and not offset:
+        return ""
+    return f" LIMIT {unlimited if limit is None else int(limit)}" + (f" OFFSET {int(offset)}" if offset else "")
 
 
 def canonical_text(text: str | None, what: str) -> str | None:

@@ -7,19 +7,21 @@ folded with the guard's ``apply`` (:func:`journal.projection.fold_calls`, on the
 the record compared with the call's projection row, read in the same order, as stored text
 (:func:`compare_calls`): a row that the log cannot have produced is told from one merely stale.
 
-A journal with archives folds its log onto the projection as of the last archive's head: SQLite
-with :func:`verify_rows`, in one pass over the log, holding the calls it folds; PostgreSQL, whose
-archive keeps a copy of the whole projection, reads that copy by call id beside the log
-(:func:`journal.projection.folded_onto`), one call at a time. A store hands over
-the rows of one read snapshot; what only one backend has to check (PostgreSQL's head row, a SQLite
-file's own pages) it checks around this.
+A journal with archives folds its log onto the projection as of the last archive's head, read by
+call id beside the log (:func:`journal.projection.folded_onto`), one call at a time. A store hands
+over the rows of one read snapshot; what only one backend has to check (PostgreSQL's head row, a
+SQLite file's own pages) it checks around this.
+
+Whichever way the calls are folded, they are compared with the projection by one function,
+:func:`projection_problem`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from guard.store import TRANSITIONS, CallRecord, EffectEvent, apply
 
@@ -28,24 +30,11 @@ from .events import VerifyReport
 from .export import hash_of_row, row_hash
 from .projection import before, fold_row, record_row
 
-__all__ = ["ADVANCE_EVERY", "ArchivedProjection", "check_chain", "check_log",
+__all__ = ["ADVANCE_EVERY", "check_chain", "check_log",
            "checked_calls", "compare_calls", "compare_projection", "lacks", "projection_problem", "row_problem",
            "verify_log", "verify_rows"]
 
 ADVANCE_EVERY = 10_000  # events between two calls of a progress callback
-
-
-class ArchivedProjection(Protocol):
-    """The projection as of the last archive's head, as verify reads it."""
-
-    def seed(self, folded: dict[str, CallRecord], call_id: str | None) -> None:
-        """Put the archived record of ``call_id`` into ``folded`` before its first event is folded."""
-        ...
-
-    def rows(self, folded: dict[str, CallRecord]) -> Iterable[tuple[Any, ...]]:
-        """The projection rows to compare with ``folded`` (in call id order); the archived record
-        of a call the log did not touch is put into ``folded`` where it is needed."""
-        ...
 
 
 def verify_rows(
@@ -53,28 +42,26 @@ def verify_rows(
     calls: Callable[[], Iterable[tuple[Any, ...]]],
     *,
     start: tuple[int, str] = (0, GENESIS),
-    archived: ArchivedProjection | None = None,
     advance: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """The report of a journal whose log holds ``events`` (stored rows in ``seq`` order, from the
     one after ``start``) and whose projection ``calls()`` gives (stored rows in call id order),
-    read when the log has checked out. ``archived``: the projection as of ``start``, onto which the
-    log is folded (a journal with archives). ``advance`` is told of each stretch of events checked."""
-    check, folded = check_log(events, start=start, archived=archived, advance=advance)
+    read when the log has checked out, every call folded into memory at once (the plain form of
+    :func:`verify_log`). ``advance`` is told of each stretch of events checked."""
+    check, folded = check_log(events, start=start, advance=advance)
     if not check.ok:
         return check.report()
-    return compare_projection(check, folded, archived.rows(folded) if archived is not None else calls())
+    return compare_projection(check, folded, calls())
 
 
 def check_log(
     events: Iterable[tuple[Any, ...]],
     *,
     start: tuple[int, str] = (0, GENESIS),
-    archived: ArchivedProjection | None = None,
     advance: Callable[[int], None] | None = None,
 ) -> tuple[ChainCheck, dict[str, CallRecord]]:
     """The first half of :func:`verify_rows`: the chain of ``events`` checked, and the calls
-    folded from them (onto ``archived``), to compare with the projection."""
+    folded from them, to compare with the projection."""
     check = ChainCheck(start=start)
     folded: dict[str, CallRecord] = {}
     for row in events:
@@ -87,8 +74,6 @@ def check_log(
             break
         if not check.feed(row[0], row[14], row[15], expected):
             break
-        if archived is not None:
-            archived.seed(folded, row[2])
         fold_row(folded, row)
     return check, folded
 
@@ -97,26 +82,15 @@ def compare_projection(
     check: ChainCheck, folded: dict[str, CallRecord], rows: Iterable[tuple[Any, ...]]
 ) -> VerifyReport:
     """The report of a log that checked out in ``check`` and folds to ``folded`` (emptied here),
-    against its projection ``rows`` (:data:`~journal.rows.CALL_COLUMNS`, in call id order).
+    against its projection ``rows`` (:data:`~journal.rows.CALL_COLUMNS`, in call id order):
+    :func:`projection_problem` of the folded calls put in the same order."""
+    records = sorted(folded.values(), key=functools.cmp_to_key(_in_call_order))
+    folded.clear()
+    return compare_calls(check, records, rows)
 
-    A row the log cannot have produced (see :func:`journal.chain.ahead_of_log`) is named before
-    any stale one: its problem says events may have been removed from the end, and does not advise
-    a rebuild, which would erase it. A stale or edited row, or a missing one, advises a rebuild.
-    """
-    stale: tuple[int | None, str] | None = None
-    for row in rows:
-        found = row_problem(row, folded.pop(row[0], None), check.last_seq)
-        if found is not None:
-            ahead, problem = found
-            if ahead:
-                check.fail(*problem)
-                return check.report()
-            stale = stale or problem
-    if stale is not None:
-        check.fail(*stale)
-    elif folded:
-        check.fail(*lacks(min(folded.values(), key=lambda record: record.last_seq)))
-    return check.report()
+
+def _in_call_order(a: CallRecord, b: CallRecord) -> int:
+    return -1 if before(a.call_id, b.call_id) else 1 if before(b.call_id, a.call_id) else 0
 
 
 def row_problem(
@@ -227,7 +201,7 @@ def checked_calls(rows: Iterable[tuple[Any, ...]]) -> Iterator[CallRecord]:
     on the way. Holds one call at a time; rows without a call id are checked and fold to nothing.
 
     This is the check of :func:`check_chain` without the links (which need the log in ``seq``
-    order: a store checks them apart, see :mod:`journal.sqlite_verify`) and the fold of
+    order: a store checks them apart, see :mod:`journal.sqlite.verify`) and the fold of
     :func:`journal.projection.fold_calls`, in one read of the log. ``ValueError`` names the first
     row, in this order, whose hash is not the one its fields give.
     """

@@ -21,18 +21,16 @@ from click.core import ParameterSource
 from journal import Journal, open_journal
 from journal.errors import JournalNotFound
 from journal.events import REDACTABLE
+from journal.urls import is_postgres_url
 
 from ..options import TEXT, FieldList, db_option, default_operator, describe, journal_target, then
 
 __all__ = ["console_url", "listen", "serve"]
 
-_POSTGRES = ("postgresql://", "postgres://")
-
-
 def _dsn(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
-    if not value.startswith(_POSTGRES):
+    if not is_postgres_url(value):
         raise click.BadParameter(f"{describe(value)} is not a postgresql:// URL (a SQLite file is named by --db)",
                                  ctx, param)
     return journal_target(ctx, param, value)

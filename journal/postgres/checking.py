@@ -9,7 +9,8 @@ from typing import Any
 from guard.approvals import approval_event
 from guard.store import CallRecord, EffectEvent
 
-from .. import approvals, archive, verifying
+from .. import approvals, verifying
+from ..archive import kept_row
 from ..chain import ChainCheck
 from ..errors import JournalError
 from ..events import JournalEvent, VerifyReport
@@ -20,8 +21,13 @@ from ..rows import (
     call_row,
     event_row,
 )
-from .connection import Conn, Connection
+from .archiving import SNAPSHOT_BY_CALL, archived_head
+from .datastore import Conn, PostgresDatastore
 from .sql import _BATCH, _BY_CALL, _CALL_SELECT, _EVENT_SELECT, _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
+
+__all__ = ["Checking"]
+
+_COPY_EVENTS = f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN".encode()
 
 
 def _streamed(conn: Conn, name: str, sql: str) -> Iterator[tuple[Any, ...]]:
@@ -35,26 +41,31 @@ def _streamed(conn: Conn, name: str, sql: str) -> Iterator[tuple[Any, ...]]:
 
 def _seeds(conn: Conn) -> Iterator[tuple[Any, ...]]:
     """The projection as of the last archive's head, by call id, a batch at a time."""
-    for call_id, record in _streamed(conn, "airlock_archived_calls", archive.POSTGRES_SNAPSHOT_BY_CALL):
-        yield archive.snapshot_row(call_id, record)
+    for call_id, record in _streamed(conn, "airlock_archived_calls", SNAPSHOT_BY_CALL):
+        yield kept_row(call_id, record)
 
 
-class Checking(Connection):
+class Checking:
     """Verify, rebuild and import."""
+
+    def __init__(self, datastore: PostgresDatastore) -> None:
+        self.name = datastore.name
+        self._datastore = datastore
 
     def verify(self, *, advance: Callable[[int], None] | None = None) -> VerifyReport:
         """Recompute the hash chain and check the projection and the head against the log, on one
         consistent snapshot (writers carry on meanwhile). ``advance`` is told of each stretch of
         events checked (a progress bar's update)."""
-        return self._read_only("verify the journal", lambda conn: self._verify(conn, advance))
+        return self._datastore.read_only("verify the journal", lambda conn: self.verify_in(conn, advance))
 
-    def _verify(self, conn: Conn, advance: Callable[[int], None] | None = None) -> VerifyReport:
+    def verify_in(self, conn: Conn, advance: Callable[[int], None] | None = None) -> VerifyReport:
+        """:meth:`verify`, in the transaction of ``conn`` (a copy checks what it wrote before it commits)."""
         # The log goes on from the last archive's head, folded onto the projection as of that head.
         # Server-side cursors: the log and the projection come in batches, never whole into memory.
         streamed = functools.partial(_streamed, conn)
         # Ids in binary order (COLLATE "C"), the order the log read by call id is merged in.
         calls = functools.partial(streamed, "airlock_verify_calls", f'{_CALL_SELECT} ORDER BY call_id COLLATE "C"')
-        start = archive.postgres_archived_head(conn)
+        start = archived_head(conn)
 
         def head_row(check: ChainCheck) -> tuple[int | None, str] | None:
             """What is wrong with the chain head row, against the log that checked out."""
@@ -98,7 +109,7 @@ class Checking(Connection):
             conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
             return calls
 
-        return self._write("rebuild the projection", work, pipeline=False)
+        return self._datastore.write("rebuild the projection", work, pipeline=False)
 
     def _rebuilt_by_call(self, conn: Conn, advance: Callable[[int], None] | None) -> int:
         """The projection made the fold of the log, in the write transaction on ``conn``, holding
@@ -110,7 +121,7 @@ class Checking(Connection):
         field that cannot be read stops the rebuild with the journal's error."""
         last = conn.execute(b"SELECT coalesce(max(seq), 0) FROM events").fetchone()
         events = int(last[0]) if last is not None else 0
-        seeds = _seeds(conn) if archive.postgres_archived_head(conn)[0] else None
+        seeds = _seeds(conn) if archived_head(conn)[0] else None
         folding = ByCall(_streamed(conn, "airlock_rebuild_by_call", _BY_CALL), advance, seeds)
         stored = _streamed(conn, "airlock_rebuild_calls", f'{_CALL_SELECT} ORDER BY call_id COLLATE "C"')
         put: list[tuple[Any, ...]] = []
@@ -125,7 +136,7 @@ class Checking(Connection):
             put.clear()
             gone.clear()
 
-        for call_id, row in changes(folding.records(), stored, self._decoded):
+        for call_id, row in changes(folding.records(), stored, self._datastore.decoded):
             if row is None:
                 gone.append(call_id)
             else:
@@ -152,7 +163,7 @@ class Checking(Connection):
             folded: dict[str, CallRecord] = {}
             requests: list[tuple[int, EffectEvent]] = []  # the events that may change a request
             last: JournalEvent | None = None
-            with conn.cursor().copy(f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN".encode()) as copy:
+            with conn.cursor().copy(_COPY_EVENTS) as copy:
                 for event in events:
                     copy.write_row(event_row(event))
                     fold_into(folded, event)
@@ -169,8 +180,8 @@ class Checking(Connection):
                 conn.execute(_SET_HEAD, (last.seq, last.hash))
             conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
             if check is not None:
-                check(self._verify(conn))  # before the commit: a copy refused leaves nothing behind
+                check(self.verify_in(conn))  # before the commit: a copy refused leaves nothing behind
             return len(folded)
 
         # Not retried: the events are consumed as they are copied.
-        return self._write("copy events", work, pipeline=False, retry=False)
+        return self._datastore.write("copy events", work, pipeline=False, retry=False)

@@ -9,7 +9,7 @@ from ..leasing import SWEEP_EVERY, LeaseRow, claimable, named_lease, owner_state
 from ..rows import (
     record_from_row,
 )
-from .connection import Conn, Connection
+from .datastore import Conn, PostgresDatastore
 from .sql import (
     _CALL_SELECT,
     _DROP_LEASE,
@@ -22,8 +22,13 @@ from .sql import (
 )
 
 
-class Leases(Connection):
+class Leases:
     """Take, renew, drop and claim leases; the owner state of pending calls."""
+
+    def __init__(self, datastore: PostgresDatastore) -> None:
+        self._datastore = datastore
+        self._single_statement = datastore.single_statement  # bound once: taking a lease is on the hot path
+        self._taken = 0  # leases taken by this object, for the sweep of those run out
 
     def take_lease(self, call_id: str, holder: str, seconds: float) -> None:
         """Record ``holder``'s lease on ``call_id``, running out ``seconds`` from the server's now."""
@@ -49,24 +54,25 @@ class Leases(Connection):
             leases: list[LeaseRow] = [(h, until, bool(running))
                                       for h, until, running in conn.execute(_LEASES_OF, (call_id,)).fetchall()]
             row = conn.execute(f"{_CALL_SELECT} WHERE call_id = %s", (call_id,)).fetchone()
-            record = None if row is None else self._decoded(record_from_row, row)
+            record = None if row is None else self._datastore.decoded(record_from_row, row)
             if not claimable(record, leases, holder):
                 return False
             conn.execute(_TAKE_LEASE, (call_id, holder, seconds))
             return True
 
-        return self._write("claim a call", work, pipeline=False)
+        return self._datastore.write("claim a call", work, pipeline=False)
 
     def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]:
         """Whether each pending record's owner is alive, and when its lease runs out."""
         pending = [r.call_id for r in records if r.status == "pending" and named_lease(r) is not None]
         leases: dict[str, list[LeaseRow]] = {}
         if pending:
-            for call_id, holder, until, running in self._read("read the leases", _LEASES_OF_CALLS, (pending,)):
+            rows = self._datastore.rows("read the leases", _LEASES_OF_CALLS, (pending,))
+            for call_id, holder, until, running in rows:
                 leases.setdefault(call_id, []).append((holder, until, bool(running)))
         return {r.call_id: owner_state(r, leases.get(r.call_id, ())) for r in records}
 
-    def _owner_alive(self, conn: Conn, record: CallRecord | None) -> bool | None:
+    def owner_alive(self, conn: Conn, record: CallRecord | None) -> bool | None:
         """Whether the owner of the pending call is alive; None when the call is not pending."""
         if record is None or record.status != "pending":
             return None

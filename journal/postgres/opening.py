@@ -1,39 +1,65 @@
-"""Opening a PostgreSQL journal: the database's encoding, the schema the session reaches, and what it holds."""
+"""Opening a PostgreSQL journal: the database's encoding, the schema the session reaches, and what
+it holds; and taking away again a journal whose log is empty."""
 
 from __future__ import annotations
 
-import psycopg
+from typing import NamedTuple
+
 from psycopg import errors as pg_errors
 
 from ..errors import JournalError, JournalNotFound, NewerSchema, NotAJournal
 from . import schema as pg_schema
-from .connection import Conn, Connection, log
+from .datastore import Conn, PostgresDatastore, log
+
+__all__ = ["Opened", "Opening"]
 
 # The server encodings that store the UTF-8 the journal sends unchanged.
 _SERVER_ENCODINGS = frozenset({"UTF8", "SQL_ASCII"})
 
 
-class Opening(Connection):
+class Opened(NamedTuple):
+    """What opening found: the journal's schema, and the seq of the log's head then."""
+
+    schema: str
+    head_seq: int
+
+
+class Opening:
     """What a schema holds, checked before anything is written; the journal made or migrated when allowed."""
 
-    def _open(self, *, create: bool) -> None:
+    def __init__(self, datastore: PostgresDatastore) -> None:
+        self._datastore = datastore
+        self.name = datastore.name
+        self.schema = ""
+
+    def open(self, *, create: bool) -> Opened:
         """Check the database and the schema the login reaches, make or migrate the journal there
         where ``create`` allows, and learn where the log's head is and whether sessions may make
-        the server-side append."""
-        conn = self._connect_direct("open the journal")
-        try:
+        the server-side append (on a connection of its own: the pool is made for the schema found)."""
+        with self._datastore.session("open the journal") as conn:
             self._check_encoding(conn)
             self.schema = self._schema(conn)
             self._open_schema(conn, create=create)
-            self._floor = int((conn.execute("SELECT seq FROM chain_head WHERE id = 1").fetchone() or (0,))[0])
+            head = int((conn.execute("SELECT seq FROM chain_head WHERE id = 1").fetchone() or (0,))[0])
             may_make_temporary = conn.execute(
                 "SELECT has_database_privilege(current_database(), 'TEMPORARY')").fetchone()
-            if self._server_append and may_make_temporary != (True,):
-                self._no_server_append("the login may not make temporary objects in the database")
-        except psycopg.Error as e:
-            raise self._translate(e, "open the journal") from e
-        finally:
-            conn.close()
+            if may_make_temporary != (True,):
+                self._datastore.no_server_append("the login may not make temporary objects in the database")
+            return Opened(self.schema, head)
+
+    def remove_if_empty(self) -> bool:
+        """Drop the journal's tables and functions, when its log holds no event (the log locked
+        meanwhile, so no append comes between); returns whether it did."""
+
+        def work(conn: Conn) -> bool:
+            conn.execute(b"LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+            if conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
+                return False  # someone began to use it meanwhile: left as it is
+            for statement in pg_schema.REMOVE:
+                conn.execute(statement.encode())
+            return True
+
+        return self._datastore.write("remove the journal", work, pipeline=False, retry=False)
 
     def _check_encoding(self, conn: Conn) -> None:
         """Refuse, before anything is written, a database that cannot hold every UTF-8 text."""
@@ -53,36 +79,33 @@ class Opening(Connection):
 
         Changes nothing in a schema that holds anything but a journal of this version or older.
         """
-        try:
+        version = self._inspect(conn)
+        if version == pg_schema.SCHEMA_VERSION:
+            return
+        if not create:
+            if version == 0:
+                raise JournalNotFound(f"the journal {self.name} does not exist: the database holds no journal")
+            raise JournalError(
+                f"the journal {self.name} has schema version {version}; open it writable once "
+                f"to migrate it to version {pg_schema.SCHEMA_VERSION}"
+            )
+        with conn.transaction():
+            # Replicas that start together migrate one at a time; the others then find it done.
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext('airlock-journal:' || current_schema()))")
             version = self._inspect(conn)
-            if version == pg_schema.SCHEMA_VERSION:
-                return
-            if not create:
-                if version == 0:
-                    raise JournalNotFound(f"the journal {self.name} does not exist: the database holds no journal")
-                raise JournalError(
-                    f"the journal {self.name} has schema version {version}; open it writable once "
-                    f"to migrate it to version {pg_schema.SCHEMA_VERSION}"
-                )
-            with conn.transaction():
-                # Replicas that start together migrate one at a time; the others then find it done.
-                conn.execute("SELECT pg_advisory_xact_lock(hashtext('airlock-journal:' || current_schema()))")
-                version = self._inspect(conn)
-                for target in range(version + 1, pg_schema.SCHEMA_VERSION + 1):
-                    for statement in pg_schema.MIGRATIONS[target]:
-                        conn.execute(statement.encode())
-                    if target == 1:
-                        conn.execute(
-                            "INSERT INTO airlock_journal_meta (id, application, schema_version) VALUES (1, %s, %s)",
-                            (pg_schema.APPLICATION, target),
-                        )
-                    else:
-                        conn.execute("UPDATE airlock_journal_meta SET schema_version = %s", (target,))
-                if version < pg_schema.SCHEMA_VERSION:
-                    log.info("journal %s migrated from schema version %d to %d", self.name, version,
-                             pg_schema.SCHEMA_VERSION)
-        except psycopg.Error as e:
-            raise self._translate(e, "open the journal") from e
+            for target in range(version + 1, pg_schema.SCHEMA_VERSION + 1):
+                for statement in pg_schema.MIGRATIONS[target]:
+                    conn.execute(statement.encode())
+                if target == 1:
+                    conn.execute(
+                        "INSERT INTO airlock_journal_meta (id, application, schema_version) VALUES (1, %s, %s)",
+                        (pg_schema.APPLICATION, target),
+                    )
+                else:
+                    conn.execute("UPDATE airlock_journal_meta SET schema_version = %s", (target,))
+            if version < pg_schema.SCHEMA_VERSION:
+                log.info("journal %s migrated from schema version %d to %d", self.name, version,
+                         pg_schema.SCHEMA_VERSION)
 
     def _schema(self, conn: Conn) -> str:
         """The journal's schema: the first of the search_path (after a leading ``$user`` that names no

@@ -21,13 +21,22 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "APPLICATION", "MIGRATIONS", "SCHEMA_VERSION", "TABLES", "USER_SCHEMA", "search_path_schemas", "tables_of",
+    "APPLICATION", "MIGRATIONS", "REMOVE", "SCHEMA_VERSION", "TABLES", "USER_SCHEMA", "search_path_schemas",
+    "tables_of",
 ]
 
 APPLICATION = "airlock-journal"
 
 TABLES = ("airlock_journal_meta", "events", "calls", "chain_head", "leases", "archives", "calls_archived", "approvals",
           "approvals_archived")
+
+# What takes a journal away again (see Opening.remove_if_empty): its tables, and the functions
+# that are not dropped with them.
+REMOVE = (
+    f"DROP TABLE IF EXISTS {', '.join(TABLES)} CASCADE",
+    "DROP FUNCTION IF EXISTS airlock_events_append_only() CASCADE",
+    "DROP FUNCTION IF EXISTS airlock_archive_events(bigint, bigint, text, text, text)",
+)
 
 _V1 = (
     """

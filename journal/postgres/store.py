@@ -1,23 +1,38 @@
-"""The PostgreSQL journal: one object that threads share, and what it is made of."""
+"""The PostgreSQL journal: one object that threads share, and the parts it is made of.
+
+:class:`PostgresJournal` builds one :class:`~journal.postgres.datastore.PostgresDatastore` (the
+connections and transactions) and hands it to each part: :class:`~journal.postgres.opening.Opening`
+(the schema, checked or made), :class:`~journal.postgres.leases.Leases`,
+:class:`~journal.postgres.writes.Writes` (the guard's appends), :class:`~journal.postgres.reads.Reads`
+(the shared :class:`~journal.reading.LogReader`, and the head),
+:class:`~journal.postgres.checking.Checking` (verify, rebuild, import),
+:class:`~journal.postgres.archiving.Archives` and :class:`~journal.postgres.approving.Approvals`.
+The writes and the approvals share what this object's own writes tell it of the log
+(:class:`~journal.postgres.heads.Known`). :class:`~journal.sql_journal.SQLJournal`, the base both
+SQL journals share, hands each call to its part; this class adds only what is PostgreSQL's own.
+"""
 
 from __future__ import annotations
 
-import os
-import threading
-import weakref
+from guard.store import EffectEvent
 
-from guard.store import CallRecord
-
-from ..reconcile import Reconciling
+from ..events import JournalEvent
+from ..sql_journal import SQLJournal
+from .approving import Approvals
+from .archiving import Archives
 from .checking import Checking
-from .connection import _describe, connect_settings
-from .heads import _JOURNALS, _Head
+from .datastore import PostgresDatastore
+from .heads import Known
+from .leases import Leases
 from .opening import Opening
 from .reads import Reads
+from .server_append import _APPEND_FN
 from .writes import Writes
 
+__all__ = ["PostgresJournal"]
 
-class PostgresJournal(Writes, Reads, Checking, Opening, Reconciling):
+
+class PostgresJournal(SQLJournal):
     """A journal in a PostgreSQL database (its tables in the first schema of the connection's
     search_path, named by :attr:`schema` once open).
 
@@ -35,13 +50,18 @@ class PostgresJournal(Writes, Reads, Checking, Opening, Reconciling):
     false), :class:`NotAJournal` (the schema holds another application's tables),
     :class:`NewerSchema`, or :class:`JournalError` (the server cannot be reached, the database has
     another encoding, the login may not use the schema); in every case nothing is changed.
+
+    :attr:`datastore` holds the connections (its :attr:`~PostgresDatastore.pool` among them), and
+    :attr:`writes` the guard's appends (set ``journal.writes.skip_cas`` to make the next writes
+    the contended way, as another replica's writes would).
     """
 
-    #: that the loop runs on while a write waits for the server (set it false to keep them on the loop).
+    datastore: PostgresDatastore
+    writes: Writes
 
+    #: Whether ``async def`` tools make this journal's writes on a thread of their own, so that the
+    #: loop runs on while a write waits for the server (set it false to keep them on the loop).
     offload_async = True
-
-    _placeholder, _unlimited, _nul, _sort_apart = "%s", "ALL", False, ""  # see journal.reading.LogReads
 
     def __init__(
         self,
@@ -60,52 +80,51 @@ class PostgresJournal(Writes, Reads, Checking, Opening, Reconciling):
             raise ValueError(f"timeout is a number of seconds, more than 0, not {timeout!r}")
         if pool_size < 1:
             raise ValueError("pool_size must be at least 1")
+        datastore = PostgresDatastore(dsn, busy_timeout=busy_timeout, connect_timeout=connect_timeout,
+                                      timeout=float(timeout), pool_size=pool_size, readonly=readonly,
+                                      session_setup=_APPEND_FN)
+        self._opening = opening = Opening(datastore)
+        opened = opening.open(create=create and not readonly)
+        known = Known(opened.head_seq)
+        datastore.when_lost(known.forget)
+        leases = Leases(datastore)
+        writes = Writes(datastore, known, leases)
+        checking = Checking(datastore)
+        self._reader = reads = Reads(datastore)
+        self._approving = approvals = Approvals(datastore, known, writes)
         self.dsn = dsn
-        self.name = _describe(dsn)
+        self.name = datastore.name
         self.readonly = readonly
         self.busy_timeout = busy_timeout
         self.connect_timeout = connect_timeout
-        self.timeout = float(timeout)
-        self._connect_kwargs = connect_settings(dsn, busy_timeout, connect_timeout)
-        # The head this object's last write left, the call it wrote, that call's record then, and
-        # the hash of the record's last event where it is known.
-        self._recent: tuple[_Head, str | None, CallRecord | None, str | None] | None = None
-        self._skip_cas = 0
-        # Records of calls this object wrote lately, with the hash of each one's last event.
-        self._written: dict[str, tuple[CallRecord, str]] = {}
-        self._taken = 0  # leases taken by this object, for the sweep of those run out
-        # Whether this object's sessions have the server-side append (a login that may not make
-        # temporary objects does without it), and a seq at or before the head: every event this
-        # object appends from now on comes after it.
-        self._server_append = not readonly
-        self._floor = 0
-        self._suspect = False  # a connection failed lately: probe the server before waiting on the pool
-        self._closed = False
-        self._lock = threading.Lock()
-        _JOURNALS.add(self)
-        self._open(create=create and not readonly)
+        self.timeout = datastore.timeout
         self.pool_size = pool_size
-        self._pid = os.getpid()
-        self._pool = self._make_pool()
-        self._writers, self._holders = threading.local(), weakref.WeakSet()  # see Connection._writer_conn
+        self.schema = opened.schema
+        datastore.start(opened.schema)
+        super().__init__(datastore, reads=reads, writes=writes, leases=leases, checks=checking,
+                         archives=Archives(datastore, checking.verify_in), approvals=approvals)
 
-    # -- lifecycle ----------------------------------------------------------------------------
+    def append_event(self, event: EffectEvent) -> JournalEvent:
+        """:meth:`append`, returning the event as stored (with its ``seq`` and ``hash``)."""
+        return self.writes.append_event(event)
 
-    def close(self) -> None:
-        """Close the pool; the journal cannot be used afterwards."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if os.getpid() == self._pid:
-            self._release_writers()
-            self._pool.close()
+    def head(self) -> tuple[int, str]:
+        """``(seq, hash)`` of the last event; ``(0, GENESIS)`` for an empty journal."""
+        return self._reader.head()
 
-    def __enter__(self) -> PostgresJournal:
-        return self
+    def wait_for_decision(self, call_id: str, seconds: float) -> bool:
+        """Block up to ``seconds`` until a decision on a request of ``call_id`` is committed (told by
+        ``NOTIFY``); False after ``seconds``, or when the call's latest request was no longer open
+        as the wait began. See :class:`guard.approvals.ApprovalWaiter`."""
+        return self._approving.wait_for_decision(call_id, seconds)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def remove_if_empty(self) -> bool:
+        """See :meth:`journal.protocol.Removable.remove_if_empty`: the tables and functions of the
+        journal are dropped (the login needs to own them)."""
+        removed = self._opening.remove_if_empty()
+        if removed:
+            self.close()
+        return removed
 
     def __repr__(self) -> str:
         return f"PostgresJournal({self.name!r}{', readonly' if self.readonly else ''})"

@@ -10,11 +10,8 @@ from datetime import datetime
 from typing import Any
 
 import orjson
-import psycopg
-from psycopg import errors as pg_errors
-from psycopg.sql import SQL, Identifier
 
-from guard.approvals import ApprovalRequest, ApprovalStep, T, approval_event
+from guard.approvals import approval_event
 from guard.canonical import NotCanonical
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply, format_at
 
@@ -23,7 +20,7 @@ from ..chain import GENESIS
 from ..errors import JournalError, StoreBusy, unstorable
 from ..events import JournalEvent
 from ..rebuilding import as_logged
-from ..resolving import Choose, Resolving
+from ..resolving import Choose
 from ..rows import (
     CALL_COLUMNS,
     call_row,
@@ -33,9 +30,8 @@ from ..rows import (
     split_body,
     stamp,
 )
-from .connection import Conn, _ConnectionLost, _NoServerAppend
-from .deadline import DeadlineConnection
-from .heads import _Head, _InDoubt, _Seen, _unique_at, _uniquely_timed
+from .datastore import Conn, ConnectionLost, NoServerAppend, PostgresDatastore
+from .heads import Head, InDoubt, Known, Seen, unique_at, uniquely_timed
 from .leases import Leases
 from .server_append import _CALL_APPEND_FN, _CALL_FIELDS
 from .sql import (
@@ -50,19 +46,16 @@ from .sql import (
     CasCheck,
 )
 
+__all__ = ["APPROVALS_CHANNEL", "Writes"]
+
 _NO_RECORD_NEEDED = frozenset({"refused", "replayed"})  # they never change a call's record
 
 # The channel a decision on a request is told on (NOTIFY, delivered when its transaction commits),
-# with the journal's schema and the call's id as a JSON array: see Writes.wait_for_decision.
+# with the journal's schema and the call's id as a JSON array: see Approvals.wait_for_decision.
 APPROVALS_CHANNEL = "airlock_approvals"
 _DECISIONS = frozenset({"approved", "denied", "expired"})
 
 _SKIP_AFTER_CONFLICT = 8  # writes that wait for the lock after another writer moved the head
-
-# Calls whose record this object remembers from its own writes: a replay or a refusal of one of
-# them, or its next attempt, is decided at once and appended in one round trip. A retry comes soon
-# after its call; a few hundred records are a few hundred KiB for typical values.
-_WRITTEN_CALLS = 512
 
 
 def _check_of(record: CallRecord | None) -> CasCheck:
@@ -72,10 +65,32 @@ def _check_of(record: CallRecord | None) -> CasCheck:
     return "released" if record.status == "released" else ""
 
 
-class Writes(Leases, Resolving):
-    """The :class:`~guard.store.EffectStore` protocol, settling and resolving."""
+class Writes:
+    """The :class:`~guard.store.EffectStore` protocol (``begin``, ``append``, ``get``), the guard's
+    lookup of a recent call, and the one write that settling and resolving make
+    (:meth:`append_chosen`).
 
-    def _lock_and_read(self, conn: Conn, call_id: str | None) -> tuple[_Head, CallRecord | None]:
+    Right after this object's own write, a write is one compare-and-set of the head; where other
+    replicas write (or for a first write), one call of the server-side append; failing both, one
+    transaction that locks the head and then reads. :attr:`skip_cas` says how many writes from now
+    on go without the compare-and-set.
+    """
+
+    def __init__(self, datastore: PostgresDatastore, known: Known, leases: Leases) -> None:
+        self.name = datastore.name
+        self._datastore = datastore
+        self._known = known
+        self._owner_alive = leases.owner_alive
+        # Bound once: the guard's begin and append reach them on every call.
+        self._single_statement = datastore.single_statement
+        self._check_writable = datastore.check_writable
+        self._decoded = datastore.decoded
+        #: Writes still to make without the compare-and-set (by the server-side append, or the head
+        #: locked): set after a write finds that another writer moved the head, and counted down by
+        #: each write. Set it high to make every write the contended way, as under contention.
+        self.skip_cas = 0
+
+    def lock_and_read(self, conn: Conn, call_id: str | None) -> tuple[Head, CallRecord | None]:
         """Lock the head row, then read the call's record (a statement after the lock: it sees the
         last commit), and whether the log has a state-changing event of it; one round trip.
 
@@ -93,7 +108,7 @@ class Writes(Leases, Resolving):
         if (call_id is not None and logged is not None and logged.fetchone() is not None
                 and (record is None or record.status == "released")):
             record = self._as_logged(conn, call_id, record)
-        return _Head(int(seq), str(prev), int(generation)), record
+        return Head(int(seq), str(prev), int(generation)), record
 
     def _as_logged(self, conn: Conn, call_id: str, record: CallRecord | None) -> CallRecord | None:
         kept_row = conn.execute("SELECT record FROM calls_archived WHERE call_id = %s", (call_id,)).fetchone()
@@ -102,8 +117,8 @@ class Writes(Leases, Resolving):
         events = conn.execute(f"{_EVENT_SELECT} WHERE call_id = %s ORDER BY seq", (call_id,)).fetchall()
         return as_logged(call_id, record, kept, events, self._decoded, self.name)
 
-    def _append_locked(self, conn: Conn, head: _Head, record: CallRecord | None,
-                       event: EffectEvent) -> tuple[JournalEvent, _Head, CallRecord | None]:
+    def append_locked(self, conn: Conn, head: Head, record: CallRecord | None,
+                      event: EffectEvent) -> tuple[JournalEvent, Head, CallRecord | None]:
         """Insert ``event`` after ``head`` (locked), fold it into the projection, move the head;
         returns the stored event, the new head and the call's record after it."""
         stored, row = stamp(event, head.seq + 1, head.hash)
@@ -117,8 +132,8 @@ class Writes(Leases, Resolving):
             approvals.fold_event(conn, "%s", event, stored.seq)  # the projection of requests too
             if event.kind in _DECISIONS:  # wakes the calls that wait for it, once this commits
                 conn.execute(b"SELECT pg_notify(%s, %s)",
-                             (APPROVALS_CHANNEL, orjson.dumps([self.schema, event.call_id]).decode()))
-        return stored, _Head(stored.seq, stored.hash, head.generation), record
+                             (APPROVALS_CHANNEL, orjson.dumps([self._datastore.schema, event.call_id]).decode()))
+        return stored, Head(stored.seq, stored.hash, head.generation), record
 
     def _locked_write(self, doing: str, call_id: str | None,
                       choose: Callable[[CallRecord | None], EffectEvent],
@@ -129,26 +144,26 @@ class Writes(Leases, Resolving):
         head is locked, that statement has committed (and is found: it is returned, nothing more is
         written) or it never will (its compare-and-set finds the head moved).
         """
-        known = self._recent[0] if self._recent is not None else None
+        recent = self._known.recent
+        known = recent[0] if recent is not None else None
 
-        def work(conn: Conn) -> tuple[JournalEvent, _Head, CallRecord | None]:
-            head, record = self._lock_and_read(conn, call_id)
+        def work(conn: Conn) -> tuple[JournalEvent, Head, CallRecord | None]:
+            head, record = self.lock_and_read(conn, call_id)
             if doubt is not None and head.seq >= doubt.seq and conn.execute(
                 "SELECT 1 FROM events WHERE seq = %s AND hash = %s", (doubt.seq, doubt.hash)
             ).fetchone():
                 return doubt, head, record
             if known is not None and head != known:
-                self._skip_cas = _SKIP_AFTER_CONFLICT  # others write too: wait for the lock a while
+                self.skip_cas = _SKIP_AFTER_CONFLICT  # others write too: wait for the lock a while
             event = choose(record)
             if event.kind != "pending":
                 conn.execute(_RELAXED)
-            return self._append_locked(conn, head, record, event)
+            return self.append_locked(conn, head, record, event)
 
-        self._recent = None
-        stored, head, record = self._write(doing, work)
-        self._floor = max(self._floor, head.seq)
+        self._known.recent = None
+        stored, head, record = self._datastore.write(doing, work)
         projected = record is not None and record.last_seq == stored.seq
-        self._remember(head, call_id, record, True, stored.hash if projected else None)
+        self._known.remember(head, call_id, record, True, stored.hash if projected else None)
         return stored
 
     def _append_on_server(self, doing: str, choose: Callable[[CallRecord | None], EffectEvent],
@@ -159,11 +174,11 @@ class Writes(Leases, Resolving):
         record this object last wrote, ``last_hash`` the hash of its last event where known).
         ``check``: the event must come from the call's current record; when the server finds
         another, the event is made again from that one and sent again, until the busy deadline."""
-        after = self._floor
-        last_head = self._recent[0] if self._recent is not None else None
+        after, recent = self._known.floor, self._known.recent
+        last_head = recent[0] if recent is not None else None
         head_hash = last_head.hash if last_head is not None and known else None
         generation = last_head.generation if last_head is not None and known else None
-        deadline = time.monotonic() + self.busy_timeout
+        deadline = time.monotonic() + self._datastore.busy_timeout
         while True:
             event = choose(record)
             updated = apply(record, event, 0) if event.call_id is not None else None
@@ -179,20 +194,19 @@ class Writes(Leases, Resolving):
                 project, *calls,
             ))
             if row[0] == "log":
-                raise _NoServerAppend()  # the locked way folds the call's events (see _lock_and_read)
+                raise NoServerAppend()  # the locked way folds the call's events (see lock_and_read)
             if row[0] not in ("changed", "behind"):
                 break
             if time.monotonic() > deadline:
                 raise StoreBusy(f"cannot {doing}: the record of the call {event.call_id!r} in the journal "
-                                f"{self.name} kept changing for {self.busy_timeout:g} s")
+                                f"{self.name} kept changing for {self._datastore.busy_timeout:g} s")
             generation, head_hash = int(row[4]), str(row[3])
             if row[0] == "behind":
                 # The server lost events this object saw (it crashed): what the object remembers of
                 # them is gone, and so is the place after which an append sent again is looked for.
-                self._floor = after = int(row[1])
-                self._recent, last_head = None, None
-                record, last_hash = None, None
-                self._forget_written()
+                self._known.forget()
+                self._known.floor = after = int(row[1])
+                last_head, record, last_hash = None, None, None
             else:
                 record = None if row[5] is None else self._decoded(record_from_row, row[5:5 + len(CALL_COLUMNS)])
                 last_hash = row[5 + len(CALL_COLUMNS)]
@@ -203,51 +217,26 @@ class Writes(Leases, Resolving):
                           ).hexdigest() != digest:
             raise JournalError(f"cannot {doing}: the journal {self.name} stored event {seq} with the hash "
                                f"{digest}, which is not the chain's; run verify")
-        self._floor = max(self._floor, seq)
-        head = _Head(seq, digest, int(row[4]))
+        head = Head(seq, digest, int(row[4]))
         if row[0] == "appended" and last_head is not None and (seq - 1, prev) != (last_head.seq, last_head.hash):
-            self._skip_cas = _SKIP_AFTER_CONFLICT  # others write too: their appends move the head
+            self.skip_cas = _SKIP_AFTER_CONFLICT  # others write too: their appends move the head
         # Unchecked (a refusal or a replay), the record is not known to be current at this head,
         # even if it was the one this object wrote last: another replica may have changed it since.
         if project:
-            self._remember(head, event.call_id, apply(record, event, seq), True, digest)
+            self._known.remember(head, event.call_id, apply(record, event, seq), True, digest)
         else:
-            self._remember(head, event.call_id, record, check, last_hash)
+            self._known.remember(head, event.call_id, record, check, last_hash)
         return stored
 
     def _call_server_append(self, doing: str, params: Sequence[Any]) -> tuple[Any, ...]:
         """One call of the server-side append. A connection that dies meanwhile is replaced and the
         same call made again, once: the server finds the event if the first call appended it, and
         a first call still running there finds the second's."""
-        self._check_writable(doing)
-        for attempt in (1, 2):
-            conn = self._writer_conn(doing)
-            try:
-                row = conn.execute(_CALL_APPEND_FN, params).fetchone()
-                assert row is not None  # the function returns one row
-                return row
-            except (pg_errors.UndefinedFunction, pg_errors.InvalidSchemaName) as e:
-                # This session could not make the function (see _configure): it wrote nothing.
-                self._no_server_append(f"a session has no server-side append ({str(e).strip()})")
-                if attempt == 1:
-                    raise _NoServerAppend() from e
-                # The first call, cut off, may still append: the locked way cannot tell its event.
-                raise _ConnectionLost(f"cannot {doing}: the connection to the journal {self.name} was lost "
-                                      "while the append was made, and it cannot be made again the same way") from e
-            except psycopg.Error as e:
-                if conn.broken:
-                    self._connection_broke()
-                    if attempt == 1:
-                        continue
-                    raise _ConnectionLost(str(self._translate(e, doing))) from e
-                raise self._translate(e, doing) from e
-            finally:
-                self._writer_done(conn)
-        raise AssertionError("unreachable")
+        return self._datastore.resendable(doing, _CALL_APPEND_FN, params)
 
-    def _try_append(self, head: _Head, record: CallRecord | None, event: EffectEvent, doing: str,
+    def _try_append(self, head: Head, record: CallRecord | None, event: EffectEvent, doing: str,
                     check: CasCheck = "", known: bool = True,
-                    last_hash: str | None = None) -> tuple[JournalEvent | None, _Seen | None]:
+                    last_hash: str | None = None) -> tuple[JournalEvent | None, Seen | None]:
         """Append ``event`` after ``head`` in one round trip, if the head is still there and the
         call is as ``check`` requires ("absent": it has no record; "written": its record is still
         ``record``, whose last event has the hash ``last_hash``; "released": ``record``, released,
@@ -271,54 +260,31 @@ class Writes(Leases, Resolving):
         params = (*cas, *row, *call_row(updated)) if updated is not None and project else (*cas, *row)
         try:
             result = self._single_statement(doing, statement, (*params, event.call_id))
-        except _ConnectionLost:
+        except ConnectionLost:
             # In doubt: the compare-and-set either committed whole or not at all; look for it. Not
             # found yet, it may still be waiting on the server for the head's lock: the caller's
             # locked write looks again once it holds that lock (see _locked_write).
-            if not self._read(doing, "SELECT 1 FROM events WHERE seq = %s AND hash = %s", (stored.seq, stored.hash)):
-                raise _InDoubt(stored) from None
+            committed = self._datastore.rows(doing, "SELECT 1 FROM events WHERE seq = %s AND hash = %s",
+                                             (stored.seq, stored.hash))
+            if not committed:
+                raise InDoubt(stored) from None
             result = (1,)
         assert result is not None  # the chain_head row is always there
         if result[0] != 1:
-            seen = _Head(int(result[1]), str(result[2]), int(result[3]))
-            self._floor = max(self._floor, seen.seq)
+            seen = Head(int(result[1]), str(result[2]), int(result[3]))
+            self._known.moved(seen.seq)
             found = None if result[4] is None else self._decoded(record_from_row, result[4:])
             return None, (seen, found)
-        self._floor = max(self._floor, stored.seq)
-        after = _Head(stored.seq, stored.hash, head.generation)
+        after = Head(stored.seq, stored.hash, head.generation)
         if project:
-            self._remember(after, event.call_id, updated, True, stored.hash)
+            self._known.remember(after, event.call_id, updated, True, stored.hash)
         else:  # the record as it was: the hash of its last event is known if this object had it
-            prior = self._recent
+            prior = self._known.recent
             if check != "written":
                 last_hash = (prior[3] if prior is not None and prior[1] == event.call_id and prior[2] is record
                              else None)
-            self._remember(after, event.call_id, record, known, last_hash)
+            self._known.remember(after, event.call_id, record, known, last_hash)
         return stored, None
-
-    def _remember(self, head: _Head, call_id: str | None, record: CallRecord | None, known: bool,
-                  last_hash: str | None) -> None:
-        """This object's last write left ``head``, and the call's record ``record`` (when ``known``:
-        a record not read is never remembered as the call's, so the next begin checks for one),
-        whose last event has the hash ``last_hash`` (None: not known)."""
-        self._recent = (head, call_id, record, last_hash) if known else (head, None, None, None)
-        if known and call_id is not None and record is not None and last_hash is not None:
-            with self._lock:
-                written = self._written
-                written.pop(call_id, None)  # the newest last, so the oldest is the one let go
-                written[call_id] = (record, last_hash)
-                if len(written) > _WRITTEN_CALLS:
-                    del written[next(iter(written))]
-
-    def _written_record(self, call_id: str) -> tuple[CallRecord, str] | None:
-        """The record this object last wrote for ``call_id`` and the hash of its last event, if it
-        still remembers them: it was current then, and is checked to be still (see _CAS_APPEND)."""
-        with self._lock:
-            return self._written.get(call_id)
-
-    def _forget_written(self) -> None:
-        with self._lock:
-            self._written.clear()
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
         """Read the call's record, let ``decide`` choose, append its event, atomically: no other
@@ -338,26 +304,26 @@ class Writes(Leases, Resolving):
         """
         doing = "record the call"
         self._check_writable(doing)
-        recent = self._recent
+        recent = self._known.recent
         doubt: JournalEvent | None = None
         doubted: Decision | None = None
-        if recent is not None and self._skip_cas <= 0:
+        if recent is not None and self.skip_cas <= 0:
             head, known_id, record, last_hash = recent
             check: CasCheck = ""
             if known_id != call_id:
-                written = self._written_record(call_id)
+                written = self._known.written(call_id)
                 if written is not None:  # a call this object wrote before: the append checks its record
                     (record, last_hash), check = written, "written"
                 else:  # decided as for a call never seen; the append checks that it is not
                     record, check = None, "absent"
             for _ in range(2):
-                decision = _uniquely_timed(decide(record))
+                decision = uniquely_timed(decide(record))
                 if approval_event(decision.event):
                     break  # an event of a request: appended the locked way, which folds it into the requests
                 try:
                     stored, seen = self._try_append(head, record, decision.event, doing, check=check,
                                                     last_hash=last_hash)
-                except _InDoubt as e:
+                except InDoubt as e:
                     doubt, doubted = e.event, decision
                     break
                 if stored is not None:
@@ -369,22 +335,22 @@ class Writes(Leases, Resolving):
                 # A call the record lets run is still checked against the log: a row deleted or
                 # released by hand must not let it run.
                 (head, record), check = seen, _check_of(seen[1])
-        self._skip_cas = max(0, self._skip_cas - 1)
+        self.skip_cas = max(0, self.skip_cas - 1)
         decisions: list[Decision] = []
 
         def choose(record: CallRecord | None) -> EffectEvent:
-            decisions[:] = [_uniquely_timed(decide(record))]
+            decisions[:] = [uniquely_timed(decide(record))]
             return decisions[0].event
 
         def choose_on_server(record: CallRecord | None) -> EffectEvent:
             event = choose(record)
             if approval_event(event):
-                raise _NoServerAppend()  # nothing sent: the locked way folds it into the requests
+                raise NoServerAppend()  # nothing sent: the locked way folds it into the requests
             return event
 
-        if doubt is None and self._server_append:
-            with contextlib.suppress(_NoServerAppend):
-                self._append_on_server(doing, choose_on_server, *self._known_record(call_id), check=True)
+        if doubt is None and self._datastore.server_append:
+            with contextlib.suppress(NoServerAppend):
+                self._append_on_server(doing, choose_on_server, *self._known.record_of(call_id), check=True)
                 return decisions[0]
         if self._locked_write(doing, call_id, choose, doubt) is doubt and doubted is not None:
             return doubted  # the cut-off append had committed: that is the decision recorded
@@ -404,12 +370,12 @@ class Writes(Leases, Resolving):
     def _append_event(self, event: EffectEvent) -> JournalEvent:
         doing = f"record the {event.kind} event"
         self._check_writable(doing)
-        event = _unique_at(event)
+        event = unique_at(event)
         if event.call_id is not None and approval_event(event):
             return self._locked_write(doing, event.call_id, lambda record: event)  # folded into the requests
         doubt: JournalEvent | None = None
-        recent = self._recent
-        if recent is not None and self._skip_cas <= 0:
+        recent = self._known.recent
+        if recent is not None and self.skip_cas <= 0:
             # This object wrote last: if it still did, its head and the call's record are current.
             head, call_id, record, _ = recent
             if call_id == event.call_id or event.call_id is None or event.kind in _NO_RECORD_NEEDED:
@@ -418,7 +384,7 @@ class Writes(Leases, Resolving):
                 for _ in range(2):
                     try:
                         stored, seen = self._try_append(head, attempt_record, event, doing, known=known)
-                    except _InDoubt as e:
+                    except InDoubt as e:
                         doubt = e.event
                         break
                     if stored is not None:
@@ -426,35 +392,20 @@ class Writes(Leases, Resolving):
                     if seen is None:
                         break
                     (head, attempt_record), known = seen, True
-        self._skip_cas = max(0, self._skip_cas - 1)
-        if doubt is None and self._server_append:
+        self.skip_cas = max(0, self.skip_cas - 1)
+        if doubt is None and self._datastore.server_append:
             check = event.call_id is not None and event.kind not in _NO_RECORD_NEEDED
-            with contextlib.suppress(_NoServerAppend):
-                return self._append_on_server(doing, lambda record: event, *self._known_record(event.call_id), check)
+            with contextlib.suppress(NoServerAppend):
+                return self._append_on_server(doing, lambda record: event, *self._known.record_of(event.call_id),
+                                              check)
         return self._locked_write(doing, event.call_id, lambda record: event, doubt)
-
-    def _known_record(self, call_id: str | None) -> tuple[bool, CallRecord | None, str | None]:
-        """Whether this object wrote ``call_id`` last, the call's record as that write left it, and
-        the hash of that record's last event where known; for a call this object wrote before,
-        (False, its record then, that hash); else (False, None, None)."""
-        recent = self._recent
-        if recent is not None and call_id is not None and recent[1] == call_id:
-            return True, recent[2], recent[3]
-        written = self._written_record(call_id) if call_id is not None else None
-        if written is not None:
-            return False, *written
-        return False, None, None
 
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
         if not holds(call_id, nul=False):
             return None  # an id with no UTF-8 form (a lone surrogate), or with a NUL, is never stored
-        rows = self._read("read the call", f"{_CALL_SELECT} WHERE call_id = %s", (call_id,))
+        rows = self._datastore.rows("read the call", f"{_CALL_SELECT} WHERE call_id = %s", (call_id,))
         return self._decoded(record_from_row, rows[0]) if rows else None
-
-    def call(self, call_id: str) -> CallRecord | None:
-        """The call's current record, or None (never seen, or only refusals)."""
-        return self.get(call_id)
 
     def recent_call(self, agent_id: str | None, idempotency_key: str, since: datetime) -> CallRecord | None:
         """The most recent call of ``agent_id`` with ``idempotency_key`` begun at or after ``since`` and
@@ -462,7 +413,7 @@ class Writes(Leases, Resolving):
         if not holds(idempotency_key, nul=False) or (agent_id is not None and not holds(agent_id, nul=False)):
             return None
         agent, params = ("agent_id IS NULL", ()) if agent_id is None else ("agent_id = %s", (agent_id,))
-        rows = self._read(
+        rows = self._datastore.rows(
             "look up a recent call",
             f"{_CALL_SELECT} WHERE idempotency_key = %s AND created_at >= %s AND {agent} AND status != 'released' "
             "ORDER BY created_at DESC, call_id DESC LIMIT 1",
@@ -470,97 +421,17 @@ class Writes(Leases, Resolving):
         )
         return self._decoded(record_from_row, rows[0]) if rows else None
 
-    def _append_chosen(self, doing: str, call_id: str, choose: Choose) -> JournalEvent | None:
-        """See :class:`~journal.resolving.Resolving`: one transaction that holds the head."""
+    def append_chosen(self, doing: str, call_id: str, choose: Choose) -> JournalEvent | None:
+        """In one transaction that holds the head: the call's record, the event ``choose`` makes of
+        it (None: nothing is written), appended; the primitive of
+        :class:`~journal.resolving.Resolver`."""
 
         def work(conn: Conn) -> JournalEvent | None:
-            head, record = self._lock_and_read(conn, call_id)
+            head, record = self.lock_and_read(conn, call_id)
             event = choose(record, lambda: self._owner_alive(conn, record))
             if event is None:
                 return None
-            return self._append_locked(conn, head, record, event)[0]
+            return self.append_locked(conn, head, record, event)[0]
 
-        self._recent = None
-        return self._write(doing, work, pipeline=False)
-
-    # -- approvals (see guard.approvals and journal.approvals) ----------------------------------
-
-    def approval_step(self, call_id: str, step: ApprovalStep[T]) -> T:
-        """In one transaction that holds the chain's head (as every append does, so no ``begin``
-        or other step of any replica comes between): read the call's record as ``begin``'s locked
-        way does and its latest request, let ``step`` choose the events, and append them in order,
-        each folded into the calls and the requests, committed synchronously (a consumed grant and
-        the ``pending`` it lets through are durable before this returns). What ``step`` raises is
-        raised, and nothing is appended."""
-        doing = "record a step of a request for approval"
-        self._check_writable(doing)
-
-        def work(conn: Conn) -> tuple[T, _Head | None, CallRecord | None, str | None]:
-            head, record = self._lock_and_read(conn, call_id)
-            events, result = step(record, approvals.latest_request(conn, "%s", call_id))
-            last_hash: str | None = None
-            moved: _Head | None = None
-            for event in events:
-                event = _unique_at(event)
-                if event.call_id == call_id:
-                    stored, head, record = self._append_locked(conn, head, record, event)
-                    last_hash = stored.hash if record is not None and record.last_seq == stored.seq else last_hash
-                else:
-                    _, other = self._lock_and_read(conn, event.call_id)
-                    stored, head, _ = self._append_locked(conn, head, other, event)
-                moved = head
-            return result, moved, record, last_hash
-
-        self._recent = None
-        try:
-            result, head, record, last_hash = self._write(doing, work, pipeline=False)
-        except (UnicodeEncodeError, NotCanonical) as e:
-            raise unstorable(self.name, e) from e
-        if head is not None:
-            self._floor = max(self._floor, head.seq)
-            self._remember(head, call_id, record, True, last_hash)
-        return result
-
-    def approval_requests(
-        self, *, call_id: str | None = None, request_id: str | None = None, status: str | None = None,
-        tool: str | None = None, limit: int | None = None, offset: int = 0,
-    ) -> list[ApprovalRequest]:
-        """The requests for approval, newest first (by the seq they were asked at), filtered by
-        call, request id, status and tool; at most ``limit`` (None: all) after the first ``offset``."""
-        sql, params = approvals.requests("%s", False, "ALL", call_id=call_id, request_id=request_id, status=status,
-                                         tool=tool, limit=limit, offset=offset)
-        return [self._decoded(approvals.request_from_row, row)
-                for row in self._read("read the requests for approval", sql, params)]
-
-    def wait_for_decision(self, call_id: str, seconds: float) -> bool:
-        """Block up to ``seconds`` until a decision on a request of ``call_id`` (``approved``,
-        ``denied`` or ``expired``) is committed, told by PostgreSQL's ``NOTIFY`` on a connection of
-        this wait's own (``LISTEN``); returns True when one was told, False after ``seconds`` or
-        when the call's latest request was no longer open as the wait began (a decision made before
-        the ``LISTEN``). See :class:`guard.approvals.ApprovalWaiter`."""
-        if seconds <= 0:
-            return False
-        doing = "wait for a decision on a request for approval"
-        conn = self._connect_direct(doing)
-        try:
-            conn.execute(b"SET application_name = 'airlock-journal approval waiter'")
-            conn.execute(SQL("LISTEN {}").format(Identifier(APPROVALS_CHANNEL)))
-            # After the LISTEN: a decision committed from here on is told; one before it is seen here.
-            latest = conn.execute(SQL("SELECT status FROM {}.approvals WHERE call_id = %s ORDER BY first_seq DESC "
-                                      "LIMIT 1").format(Identifier(self.schema)), (call_id,)).fetchone()
-            if latest is not None and latest[0] != "open":
-                return False
-            if isinstance(conn, DeadlineConnection):
-                conn.set_deadline(None)  # the wait for a notification is bounded by its own timeout
-            wanted = [self.schema, call_id]
-            deadline = time.monotonic() + seconds
-            while (left := deadline - time.monotonic()) > 0:
-                for notice in conn.notifies(timeout=left, stop_after=1):
-                    with contextlib.suppress(orjson.JSONDecodeError):
-                        if orjson.loads(notice.payload) == wanted:
-                            return True
-            return False
-        except psycopg.Error as e:
-            raise self._translate(e, doing) from e
-        finally:
-            conn.close()
+        self._known.recent = None
+        return self._datastore.write(doing, work, pipeline=False)

@@ -12,16 +12,18 @@ from typing import Any
 from guard.approvals import approval_event
 from guard.store import CallRecord, EffectEvent
 
-from .. import approvals, archive, sqlite_verify
+from .. import approvals
 from ..chain import GENESIS
 from ..errors import JournalDamaged, JournalError
 from ..events import JournalEvent, VerifyReport
 from ..projection import fold_into
-from ..rebuilding import ByCall, archived_changes, changes, checked_row
+from ..rebuilding import ByCall, changes, checked_row
 from ..rows import call_row, event_row
-from . import damage, indexes, schema
-from .connection import _FULL, _NORMAL, Connection
-from .sql import _CALL_COLUMNS, _EVENT_COLUMNS, _INSERT_EVENT, _SELECT_HEAD, _UPSERT_CALL
+from . import indexes, schema
+from . import verify as sqlite_verify
+from .archives import archived_head, seeds
+from .datastore import FULL, SQLiteDatastore
+from .sql import _CALL_COLUMNS, _INSERT_EVENT, _SELECT_HEAD, _UPSERT_CALL
 
 
 class _UnreadableRow(Exception):
@@ -44,15 +46,22 @@ def _readable(rows: Iterable[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
         raise
 
 
-class Checking(Connection):
-    """Verify (in parts, on several cores, for a large journal) and rebuild."""
+class Checker:
+    """The checks of a SQLite journal on ``datastore``: verify (in parts, on several cores, for a
+    large journal), rebuild, and the import of a copied log (checked before it commits)."""
+
+    def __init__(self, datastore: SQLiteDatastore) -> None:
+        self._datastore = datastore
+        self._retry = datastore.retry
+        self._write = datastore.write
+        self._decoded = datastore.decoded
 
     def verify(self, *, parts: int | None = None, advance: Callable[[int], None] | None = None) -> VerifyReport:
         """Recompute the hash chain from the stored fields, check that ``seq`` is gapless from 1,
         check every index of the file against its table, and compare the projection with the fold
         of the log, on one consistent snapshot.
 
-        A journal of :data:`~journal.sqlite_verify.PARALLEL_FROM` events or more is checked in
+        A journal of :data:`~journal.sqlite.verify.PARALLEL_FROM` events or more is checked in
         ``parts`` (default: one a core, at most 4) by child processes at once; when a part finds a
         problem, or a child cannot run, it is checked again in one pass, which names the first bad
         event. ``parts=1`` always checks in one pass. ``advance`` is told of each stretch of events
@@ -60,16 +69,14 @@ class Checking(Connection):
         """
         if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or parts < 1):
             raise ValueError(f"parts is a number, 1 or more, not {parts!r}")
-        with self._lock:
-            self._connection()
-        snapshot = self._connect(schema.reader_uri(self._file), uri=True)
+        snapshot = self._datastore.open_reader()
         try:
             head = self._retry(snapshot, lambda: snapshot.execute(_SELECT_HEAD).fetchone())
             if head is not None:
                 n = parts if parts is not None else (
                     min(os.cpu_count() or 1, 4) if head[0] >= sqlite_verify.PARALLEL_FROM else 1
                 )
-                if n > 1 and self._retry(snapshot, lambda: archive.sqlite_archived_head(snapshot))[0]:
+                if n > 1 and self._retry(snapshot, lambda: archived_head(snapshot))[0]:
                     n = 1  # the parts check a log that starts at seq 1; an archived one is checked in one pass
                 if n > 1 and self._verified_in_parts(int(head[0]), n, advance):
                     parts_ok = VerifyReport(ok=True, events=int(head[0]), head=str(head[1]), first_bad_seq=None,
@@ -103,22 +110,21 @@ class Checking(Connection):
     def _undamaged(self, snapshot: sqlite3.Connection, report: VerifyReport) -> VerifyReport:
         """``report``, for a journal marked damaged checked whole by SQLite too: the mark is taken
         away (writes are taken again) only when its pages, indexes included, are sound."""
-        if not report.ok or (self._damaged is None and damage.marked(self._mark) is None):
+        if not report.ok or self._datastore.damage_found() is None:
             return report
         found = self._retry(snapshot, lambda: snapshot.execute("PRAGMA quick_check").fetchall())
         if found != [("ok",)]:
             return VerifyReport(ok=False, events=report.events, head=report.head, first_bad_seq=None,
                                 problem=f"SQLite finds the file damaged: {found[0][0]}")
-        damage.clear(self._file)
-        self._damaged = None
+        self._datastore.clear_damage()
         return report
 
     def _verified_in_parts(self, head: int, parts: int, advance: Callable[[int], None] | None = None) -> bool:
         """True when every part of the events up to ``head`` checks out (part 0 in this process)."""
-        children = [sqlite_verify.start_part(self._file, part, parts, head) for part in range(1, parts)]
+        children = [sqlite_verify.start_part(self._datastore.file, part, parts, head) for part in range(1, parts)]
         try:
             started = time.monotonic()
-            if None in children or not sqlite_verify.check_part(self._file, 0, parts, head):
+            if None in children or not sqlite_verify.check_part(self._datastore.file, 0, parts, head):
                 return False
             if advance is not None:
                 advance(head // parts)
@@ -139,22 +145,23 @@ class Checking(Connection):
     def _verify(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
         conn.execute("BEGIN")  # one read transaction: a snapshot that concurrent writers do not move
         try:
-            return self._verified_log(conn, advance)
+            return self.verified_log(conn, advance)
         finally:
             if conn.in_transaction:
                 conn.execute("COMMIT")
 
-    def _verified_log(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
+    def verified_log(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None = None) -> VerifyReport:
         """The report of :meth:`verify`, in one pass over what ``conn`` sees (in a transaction of
         the caller's: a read snapshot, or a write not yet committed), one event and one call at a time."""
-        return approvals.checked(conn, "?", sqlite_verify.verify_snapshot(conn, advance))
+        report = sqlite_verify.verify_snapshot(conn, advance)
+        return approvals.checked(conn, "?", report) if schema.has_approvals(conn) else report
 
     @staticmethod
     def _requests_checked(conn: sqlite3.Connection, report: VerifyReport) -> VerifyReport:
         """``report``, with the approvals projection checked against the log in a snapshot of its own."""
         conn.execute("BEGIN")
         try:
-            return approvals.checked(conn, "?", report)
+            return approvals.checked(conn, "?", report) if schema.has_approvals(conn) else report
         finally:
             if conn.in_transaction:
                 conn.execute("COMMIT")
@@ -170,15 +177,9 @@ class Checking(Connection):
 
         def calls_rebuilt(conn: sqlite3.Connection) -> int:
             self._remake_indexes(conn)
-            if archive.sqlite_archived_head(conn)[0]:
-                changed = archived_changes(conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
-                                           archive.SQLiteSnapshot(conn), self._decoded, advance)
-                conn.executemany("DELETE FROM calls WHERE call_id IS ?", [(c,) for c, row in changed if row is None])
-                conn.executemany(_UPSERT_CALL, [row for _, row in changed if row is not None])
-                return int(conn.execute("SELECT count(*) FROM calls").fetchone()[0])
             return self._rebuilt_by_call(conn, advance)
 
-        return self._write(_FULL if self.durability == "full" else _NORMAL, step)
+        return self._write(self._datastore.durable_sync, step)
 
     @staticmethod
     def _remake_indexes(conn: sqlite3.Connection) -> None:
@@ -188,27 +189,29 @@ class Checking(Connection):
         quick check finds sound: in one it finds damaged, the index's pages may point into other
         tables', which REINDEX would free, and :class:`~journal.sqlite.indexes.DamagedIndex` (a
         malformed file, for which rebuild is refused) is raised instead."""
-        first = archive.sqlite_archived_head(conn)[0] + 1
+        first = archived_head(conn)[0] + 1
         last = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
         for index in indexes.mismatched(conn, first, last):
             conn.execute(f'REINDEX "{index.name}"')
 
     def _rebuilt_by_call(self, conn: sqlite3.Connection, advance: Callable[[int], None] | None) -> int:
-        """The projection of a log without archives made its fold, in the write transaction on
-        ``conn``, holding one call at a time: the events that change a record are read by call id
-        and folded on their stored texts (as verify folds them), beside the projection rows read
-        in the same order; only the rows that differ are written (through a temporary table, as
+        """The projection made the fold of the log, in the write transaction on ``conn``, holding
+        one call at a time: the events that change a record are read by call id and folded on
+        their stored texts (as verify folds them; onto the projection as of the start of the log,
+        in a journal with archives), beside the projection rows read in the same order; only the
+        rows that differ are written (through a temporary table, as
         the projection is being read), so a sound projection is left as it is. A field of a row the
         fold makes that cannot be read stops the rebuild with the journal's error, the projection as
         it was; a projection row that cannot be read (a text that is not UTF-8) has every row
         replaced by the fold."""
         events = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        start = archived_head(conn)[0]
         conn.execute("DELETE FROM calls WHERE call_id IS NULL")  # no log makes a row without a call id
         conn.execute("DROP TABLE IF EXISTS temp.airlock_rebuilt")
         conn.execute(f"CREATE TEMP TABLE airlock_rebuilt AS SELECT {_CALL_COLUMNS}, 0 AS gone FROM calls WHERE 0")
         by_call = conn.execute(sqlite_verify.BY_CALL)
         stored = conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id")
-        folding = ByCall(by_call, advance)
+        folding = ByCall(by_call, advance, seeds(conn, start) if start else None)
         try:
             conn.executemany(
                 f"INSERT INTO temp.airlock_rebuilt VALUES ({', '.join('?' * 17)})",
@@ -221,8 +224,9 @@ class Checking(Connection):
             by_call.close()
             stored.close()
             conn.execute("DROP TABLE temp.airlock_rebuilt")
+            kept = list(seeds(conn, start)) if start else None  # read before the rows go
             conn.execute("DELETE FROM calls")
-            again = ByCall(conn.execute(sqlite_verify.BY_CALL), None)
+            again = ByCall(conn.execute(sqlite_verify.BY_CALL), None, kept)
             conn.executemany(_UPSERT_CALL, (self._decoded(checked_row, r) for r in again.records()))
             folding.done(events)
             return again.calls
@@ -248,7 +252,7 @@ class Checking(Connection):
 
         def step(conn: sqlite3.Connection) -> int:
             if conn.execute("SELECT EXISTS (SELECT 1 FROM events)").fetchone()[0]:
-                raise JournalError(f"the destination {self.path} is not empty; copy only into a new journal")
+                raise JournalError(f"the destination {self._datastore.path} is not empty; copy only into a new journal")
             conn.executemany(_INSERT_EVENT, folding())
             conn.execute("DELETE FROM calls")
             conn.executemany(_UPSERT_CALL, (call_row(r) for r in folded.values()))
@@ -256,7 +260,7 @@ class Checking(Connection):
             calls = len(folded)
             folded.clear()  # the check folds the log again: one fold in memory at a time
             if check is not None:
-                check(self._verified_log(conn))  # raises to refuse the copy: the transaction is undone
+                check(self.verified_log(conn))  # raises to refuse the copy: the transaction is undone
             return calls
 
-        return self._write(_FULL, step)
+        return self._write(FULL, step)

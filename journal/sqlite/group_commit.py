@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -9,14 +10,19 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..errors import (
     JournalError,
     StoreBusy,
 )
-from .connection import _NORMAL, Connection, T, _held
-from .forks import _FORKS
+from . import forks
+
+if TYPE_CHECKING:
+    from .datastore import SQLiteDatastore
+
+T = TypeVar("T")
+_NORMAL = "NORMAL"
 
 # What SQLite itself syncs the WAL with where it can: the data, and the metadata needed to read it.
 _fdatasync = getattr(os, "fdatasync", os.fsync)
@@ -24,6 +30,11 @@ _fdatasync = getattr(os, "fdatasync", os.fsync)
 # A group commit's fsync still under way after this many seconds is made again by a thread waiting
 # for it: the thread that started it may have been interrupted before it could say it was done.
 _SYNC_STALE = 1.0
+
+def held(lock: threading.RLock) -> int:
+    """How many times the calling thread holds ``lock`` (0: not at all)."""
+    count: int = cast(Any, lock)._recursion_count()
+    return count
 
 def _inode(path: str) -> int | None:
     """The inode of the file at ``path``, or None when there is none."""
@@ -54,7 +65,7 @@ class _Request:
     def __init__(self, step: Callable[[sqlite3.Connection], Any], deadline: float) -> None:
         self.step = step
         self.deadline = deadline  # the busy deadline counts from when the thread asked, not from its turn
-        self.forks = _FORKS[0]
+        self.forks = forks.FORKS[0]
         self.done = False
         self.abandoned = False  # its thread left (interrupted) before the write was taken on: never made
         self.result: Any = None
@@ -63,28 +74,56 @@ class _Request:
         self.staged: Any = None  # what step returned in the transaction numbered staged_in
         self.staged_in = 0
 
-    def run(self, journal: GroupCommit, conn: sqlite3.Connection) -> Any:
+    def run(self, datastore: SQLiteDatastore, conn: sqlite3.Connection) -> Any:
         result = self.step(conn)
-        self.staged, self.staged_in = result, journal._txn
+        self.staged, self.staged_in = result, datastore.txn_begun
         return result
 
 class _StepFailed(Exception):
     """A write of a batch raised (its ``__cause__``): the batch is undone and made write by write."""
 
-def _step_of(journal: GroupCommit, request: _Request, conn: sqlite3.Connection) -> Any:
+def _step_of(datastore: SQLiteDatastore, request: _Request, conn: sqlite3.Connection) -> Any:
     try:
-        return request.run(journal, conn)
+        return request.run(datastore, conn)
     except Exception as e:
         raise _StepFailed() from e
 
 
-class GroupCommit(Connection):
+class GroupCommit:
     """Writes of threads that wait for the lock made in one transaction, and one fsync of the WAL
-    for every commit made before it (durability ``full``)."""
+    for every commit made before it (durability ``full``): the queue and the WAL's descriptor of
+    one :class:`~journal.sqlite.datastore.SQLiteDatastore`, made in its transactions."""
 
-    def _combined(self, step: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
+    _wal_fd: int | None  # the WAL's descriptor, kept open between fsyncs
+
+    def __init__(self, datastore: SQLiteDatastore) -> None:
+        self._datastore = datastore
+        self._lock = datastore.lock  # the datastore's, taken again after a fork (see forked)
+        self._requests: collections.deque[_Request] = collections.deque()  # writes waiting for the lock
+        self._counted = 0  # the last transaction counted in _written
+        self._reset_group()
+
+    def forked(self) -> None:
+        """In a forked child: the datastore's new lock, a new queue, and the parent's fsync let go of
+        (see SQLiteDatastore.forked)."""
+        self._lock = self._datastore.lock
+        self._requests = collections.deque()
+        fd = self._wal_fd
+        self._reset_group()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the child's own copy of the descriptor; the parent's stays open
+
+    def close(self) -> None:
+        """Let go of the WAL's descriptor (after the fsync under way, which uses it)."""
+        with self._wal_lock:
+            if self._wal_fd is not None:
+                os.close(self._wal_fd)
+                self._wal_fd = None
+
+    def combined(self, step: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
         """Run ``step`` in a write transaction at NORMAL; returns its result and the commit's ticket
-        for :meth:`_wait_durable`.
+        for :meth:`wait_durable`.
 
         The writes of threads that wait for the lock meanwhile are made by whichever of them gets
         it first, all in one transaction: so threads that write at once share a commit, and the
@@ -93,24 +132,24 @@ class GroupCommit(Connection):
         raises, in its own thread. Each thread returns only after the commit that holds its write.
         """
         lock = self._lock
-        depth = _held(lock)
+        depth = held(lock)
         if not depth and not self._requests:
             try:
                 if lock.acquire(blocking=False):
                     return self._alone(step)  # no other thread writing or waiting: nothing to combine
             finally:
-                if _held(lock) > depth:  # see _write: an interrupt can come as acquire() returns
+                if held(lock) > depth:  # see SQLiteDatastore.write: an interrupt can come as acquire() returns
                     lock.release()
-        request = _Request(step, time.monotonic() + self.busy_timeout)
+        request = _Request(step, time.monotonic() + self._datastore.busy_timeout)
         self._requests.append(request)
         try:
-            if not lock.acquire(timeout=self.busy_timeout):
+            if not lock.acquire(timeout=self._datastore.busy_timeout):
                 try:
                     self._requests.remove(request)
                 except ValueError:  # the thread holding the lock has taken it on: it is being made
                     lock.acquire()
                 else:
-                    raise self._own_lock_busy()
+                    raise self._datastore.own_lock_busy()
             if not request.done:  # not made by another thread (or handed back by an interrupted one)
                 self._run_requests(request)
         except BaseException:
@@ -122,21 +161,21 @@ class GroupCommit(Connection):
                 self._requests.remove(request)
             raise
         finally:
-            if _held(lock) > depth:  # see _write
+            if held(lock) > depth:  # see SQLiteDatastore.write
                 lock.release()
         if request.error is not None:
             raise request.error
         return request.result, request.ticket
 
     def _alone(self, step: Callable[[sqlite3.Connection], T]) -> tuple[T, int]:
-        """:meth:`_combined` for a thread that took the free lock with no write waiting: its write
+        """:meth:`combined` for a thread that took the free lock with no write waiting: its write
         in a transaction of its own, without the queue. The caller holds the lock."""
         try:
-            result = self._transaction(self._connection(), _NORMAL, step)
+            result = self._datastore.transaction(self._datastore.connection(), _NORMAL, step)
         finally:
-            if self._counted != self._committed:  # counted even when an interrupt followed COMMIT
+            if self._counted != self._datastore.txn_committed:  # counted even when an interrupt followed COMMIT
                 self._written += 1
-                self._counted = self._committed
+                self._counted = self._datastore.txn_committed
         return result, self._written
 
     def _run_requests(self, own: _Request) -> None:
@@ -148,7 +187,7 @@ class GroupCommit(Connection):
         """
         batch: list[_Request] = []  # filled as the queue is emptied: an interrupt meanwhile loses none
         try:
-            conn = self._connection()  # a failure to open it fails this thread's write; the others wait
+            conn = self._datastore.connection()  # a failure to open it fails this thread's write; the others wait
             self._take_queue(own, batch)
             for request in self._made_together(conn, batch):
                 self._make_alone(conn, request)
@@ -163,7 +202,7 @@ class GroupCommit(Connection):
             request = requests.popleft()
             if request.abandoned:
                 request.done = True  # its thread has gone: nobody waits for it
-            elif request.forks == _FORKS[0]:  # a write queued before a fork is the parent's to make
+            elif request.forks == forks.FORKS[0]:  # a write queued before a fork is the parent's to make
                 batch.append(request)
         if not own.done and own not in batch:  # handed back and taken again: made here, never lost
             batch.append(own)
@@ -175,7 +214,7 @@ class GroupCommit(Connection):
         if len(batch) < 2:
             return batch
         try:
-            self._transaction(conn, _NORMAL, lambda c: [_step_of(self, r, c) for r in batch],
+            self._datastore.transaction(conn, _NORMAL, lambda c: [_step_of(self._datastore, r, c) for r in batch],
                               min(r.deadline for r in batch))
         except _StepFailed:
             return batch  # one of them failed, and all were undone
@@ -196,7 +235,8 @@ class GroupCommit(Connection):
 
     def _make_alone(self, conn: sqlite3.Connection, request: _Request) -> None:
         try:
-            self._transaction(conn, _NORMAL, functools.partial(request.run, self), request.deadline)
+            self._datastore.transaction(conn, _NORMAL, functools.partial(request.run, self._datastore),
+                                        request.deadline)
         except Exception as e:
             request.error, request.ticket, request.done = e, self._written, True
         else:
@@ -223,7 +263,7 @@ class GroupCommit(Connection):
     def _told(self, requests: Sequence[_Request]) -> None:
         """Count the last committed transaction once, and give its result to each of ``requests``
         whose write it made."""
-        txn = self._committed
+        txn = self._datastore.txn_committed
         if not txn:
             return
         if self._counted != txn:
@@ -242,10 +282,10 @@ class GroupCommit(Connection):
         self._syncing = False
         self._sync_since = 0.0  # when the fsync under way was started
         self._wal_lock = threading.Lock()  # held by the thread making an fsync, and for the descriptor
-        self._wal_fd: int | None = None
+        self._wal_fd = None
         self._wal_of = 0  # the connection (numbered as _conns counts) whose WAL _wal_fd is
 
-    def _wait_durable(self, ticket: int) -> None:
+    def wait_durable(self, ticket: int) -> None:
         """Return once the first ``ticket`` counted commits are on disk.
 
         A thread that finds no fsync running starts one for every commit counted so far; the others
@@ -268,7 +308,7 @@ class GroupCommit(Connection):
                 covered = self._written
                 self._sync_since = time.monotonic()
                 claimed = self._syncing = True  # within the try: an interrupt cannot leave it claimed
-            self._sync_wal()
+            self.sync_wal()
             synced = True
         finally:
             if claimed:
@@ -278,21 +318,21 @@ class GroupCommit(Connection):
                         self._synced = max(self._synced, covered)
                     group.notify_all()
 
-    def _sync_wal(self) -> None:
+    def sync_wal(self) -> None:
         """fsync the WAL file, where the commits are until a checkpoint (which fsyncs them itself)."""
         with self._wal_lock:
             self._sync_wal_locked()
 
     def _sync_wal_locked(self) -> None:
-        wal = self._wal_path
+        wal = self._datastore.wal_path
         try:
             fd = self._wal_fd
-            if fd is not None and self._wal_of != self._conns:
+            if fd is not None and self._wal_of != self._datastore.conns_opened:
                 self._wal_fd = None  # a connection opened since, whose WAL may be a new file
                 os.close(fd)
                 fd = None
             if fd is None:
-                conns = self._conns
+                conns = self._datastore.conns_opened
                 try:
                     fd = os.open(wal, os.O_RDWR)
                 except FileNotFoundError:
@@ -309,15 +349,16 @@ class GroupCommit(Connection):
                 # Another process took the WAL away while this connection had it open, believing
                 # itself the file's last user: the commits made since may be lost. Said, never
                 # fsynced in its place; the next write opens a new connection.
-                self._stale = True
-                raise JournalError(f"The journal {self.path} lost its WAL file to another process while "
+                self._datastore.mark_stale()
+                raise JournalError(f"The journal {self._datastore.path} lost its WAL file to another process while "
                                    "open (its locks on the file were taken away); the last write is not on disk.")
             _fdatasync(fd)
-            if self._closed:  # closed meanwhile: close() has already let go of the descriptor it saw
+            if self._datastore.closed:  # closed meanwhile: close() has already let go of the descriptor it saw
                 self._wal_fd = None
                 os.close(fd)
         except OSError as e:
-            raise JournalError(f"The journal {self.path} could not be synced to disk: {e.strerror or e}.") from e
+            raise JournalError(f"The journal {self._datastore.path} could not be synced to disk: "
+                               f"{e.strerror or e}.") from e
 
     def _checkpointed_since(self, conns: int) -> bool:
         """Whether a WAL found gone or replaced was checkpointed, its commits (the ones to sync) in
@@ -330,4 +371,4 @@ class GroupCommit(Connection):
         The file is never fsynced here by a descriptor of this module's own: closing one would take
         away the locks SQLite holds on the file for this process's connections.
         """
-        return self._closed or self._conn is None or conns != self._conns
+        return self._datastore.closed or not self._datastore.connected or conns != self._datastore.conns_opened

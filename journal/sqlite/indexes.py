@@ -23,7 +23,7 @@ one of these ways, each exact:
   UTF-8, whose hash cannot be taken, is compared by row too.
 - **by count**: the number of entries against the number of rows, for an index whose every entry
   the caller reads in another way: the index on events' call id (verify looks up each event's own
-  entry in it, :func:`journal.sqlite_verify.unindexed`) and, in verify's parts, the projection's
+  entry in it, :func:`journal.sqlite.verify.unindexed`) and, in verify's parts, the projection's
   index on call id (each part reads the projection through it, the call id from each entry and the
   other columns from its row, and compares every row with the fold of the log).
 

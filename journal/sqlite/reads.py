@@ -1,4 +1,5 @@
-"""The SQLite journal's reads for operators, and its exports."""
+"""The SQLite journal's reads for operators: those both SQL journals make the same way
+(:class:`journal.reading.LogReader`), its exports and counts made quicker by SQLite itself, and its head."""
 
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ from typing import Any
 
 import orjson
 
-from .. import approvals, archive
+from .. import approvals
 from ..chain import GENESIS
 from ..errors import (
     JournalError,
 )
 from ..export import LineCloser, check_redact, csv_header, csv_lines, jsonl_lines, utf8_lines
 from ..read_ahead import read_ahead
-from ..reading import LogReads, event_filter
+from ..reading import Counts, LogReader, event_filter
 from . import schema
-from .connection import _FULL, _NORMAL, Connection
+from .datastore import SQLiteDatastore
 from .sql import _EVENT_COLUMNS, _SELECT_HEAD
 
 _BATCH = 1000
@@ -50,10 +51,8 @@ def _event_filter(
 _TOOLS_COUNTED_APART = 16
 
 
-def _counted(
-    conn: sqlite3.Connection,
-) -> tuple[dict[str, int], dict[str, int], dict[str, str], int, tuple[int, str | None]]:
-    """:meth:`LogReads._counts` in one read transaction of ``conn``, without grouping the calls in
+def _counted(conn: sqlite3.Connection) -> Counts:
+    """:meth:`LogReader.counts` in one read transaction of ``conn``, without grouping the calls in
     SQLite's sorter, which takes most of the time of a GROUP BY over many calls: the distinct
     tools are read, then one scan counts each status and each tool. A status the schema does not
     know (an altered journal) or many tools are grouped as usual."""
@@ -81,16 +80,27 @@ def _counted(
         else:
             by_tool = dict(conn.execute("SELECT tool, count(*) FROM calls GROUP BY tool").fetchall())
         events = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
-        return by_status, by_tool, oldest, int(events), approvals.stats(conn, "?")
+        requests = approvals.stats(conn) if schema.has_approvals(conn) else (0, None)
+        return by_status, by_tool, oldest, int(events), requests
     finally:
         if conn.in_transaction:
             conn.execute("COMMIT")
 
 
-class Reads(Connection, LogReads):
-    """The operator's reads: calls, events, exports, counts and stats, and archiving."""
+class Reader(LogReader):
+    """The operator's reads of a SQLite journal: :class:`~journal.reading.LogReader`'s, with those
+    SQLite makes quicker than the shared ones: the exports (written by SQLite itself, read ahead on
+    a connection of their own) and the counts of :meth:`~journal.reading.LogReader.stats`; and the
+    head. On ``datastore``."""
 
-    def _counts(self) -> tuple[dict[str, int], dict[str, int], dict[str, str], int, tuple[int, str | None]]:
+    def __init__(self, datastore: SQLiteDatastore) -> None:
+        super().__init__(datastore)
+        self._sqlite = datastore
+        self._read = datastore.read
+        self._retry = datastore.retry
+
+    def counts(self) -> Counts:
+        """See :meth:`journal.reading.LogReader.counts`."""
         return self._read(_counted)
 
     def export_lines(
@@ -157,11 +167,12 @@ class Reads(Connection, LogReads):
             cause = e.__cause__ if isinstance(e, JournalError) else e
             if isinstance(cause, sqlite3.Error) and "JSON" in str(cause):
                 # json() refused a stored text: the row path names the event and the field.
-                for row in self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until):
+                rows = self.event_rows(call_id=call_id, tool=tool, agent_id=agent_id, since=since, until=until)
+                for row in rows:
                     next(jsonl_lines([row], redact))
             if isinstance(e, JournalError):
                 raise
-            raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
+            raise JournalError(f"The journal {self._sqlite.path} could not be exported: {e}") from e
         if count:
             yield utf8_lines("".join(pending)), count
 
@@ -170,9 +181,7 @@ class Reads(Connection, LogReads):
         ``params[0]`` (its last placeholder ``seq <=`` the head) whose first columns are
         ``max(seq), count(*)``: each page as ``(after, its row)``, its rows those with
         ``after < seq <= max(seq)``. One snapshot, read as :meth:`_snapshot_rows` reads it."""
-        with self._lock:
-            self._connection()
-        reader = self._connect(schema.reader_uri(self._file), uri=True)
+        reader = self._sqlite.open_reader()
         try:
             head = self._retry(reader, lambda: reader.execute(_SELECT_HEAD).fetchone())
             if head is None:
@@ -205,9 +214,7 @@ class Reads(Connection, LogReads):
         long as it stalls. Writers never wait for it. Raises :class:`JournalError` (from the
         sqlite3.Error).
         """
-        with self._lock:
-            self._connection()
-        reader = self._connect(schema.reader_uri(self._file), uri=True)
+        reader = self._sqlite.open_reader()
         try:
             head = self._retry(reader, lambda: reader.execute(_SELECT_HEAD).fetchone())
             if head is None:
@@ -235,7 +242,7 @@ class Reads(Connection, LogReads):
         until: datetime | None = None,
     ) -> Iterator[tuple[bytes, int]]:
         """The CSV export of the filtered events, its header first, in batches: (the lines, how many
-        events), byte for byte what :meth:`LogReads.export_csv` writes.
+        events), byte for byte what :meth:`LogReader.export_csv` writes.
 
         SQLite checks every stored JSON text (``json_valid``), on one snapshot read in pages. A stored
         text that is not JSON raises :class:`JournalError` naming the event.
@@ -253,42 +260,16 @@ class Reads(Connection, LogReads):
                     chunk, header = header + chunk, b""
                 yield chunk, len(rows)
         except sqlite3.Error as e:
-            raise JournalError(f"The journal {self.path} could not be exported: {e}") from e
+            raise JournalError(f"The journal {self._sqlite.path} could not be exported: {e}") from e
         if header:
             yield header, 0
+
+    def keeps_requests(self) -> bool:
+        """Whether the journal keeps requests for approval (a journal of a version before them,
+        read as it is, does not)."""
+        return self._read(schema.has_approvals)
 
     def head(self) -> tuple[int, str]:
         """The last event's seq and hash; ``(0, GENESIS)`` for an empty journal."""
         row = self._read(lambda c: c.execute(_SELECT_HEAD).fetchone())
         return (0, GENESIS) if row is None else (int(row[0]), str(row[1]))
-
-    # -- archiving (journal.archive) -----------------------------------------------------------
-
-    def archived_head(self) -> tuple[int, str]:
-        """The seq and hash of the last archived event, where the log now starts; ``(0, GENESIS)``
-        when nothing was archived."""
-        return self._read(archive.sqlite_archived_head)
-
-    def commit_archive(self, plan: archive.ArchivePlan, file: str, archived_at: str) -> int:
-        """Remove the events ``plan`` moves, once they are in the archive ``file``, in one write
-        transaction that also records the archive's head; returns how many were removed."""
-        return self._write(_FULL if self.durability == "full" else _NORMAL,
-                           lambda conn: archive.sqlite_commit(conn, plan, file, archived_at))
-
-    def reclaim_space(self, pages: int = 256) -> int:
-        """Give the file's free pages back to the file system, ``pages`` at a time, each step a
-        short write transaction of its own (guarded calls wait at most one step); returns the pages
-        given back. Only a journal made with ``auto_vacuum`` incremental can (every new one is); an
-        older file gives nothing back here, and needs a ``VACUUM`` (see docs/journal.md)."""
-        mode, free = self._read(lambda c: (c.execute("PRAGMA auto_vacuum").fetchone()[0],
-                                           c.execute("PRAGMA freelist_count").fetchone()[0]))
-        if mode != 2:
-            return 0
-        step = f"PRAGMA incremental_vacuum({max(1, int(pages))})"
-        left = free
-        while left:
-            left = self._write(_NORMAL, lambda c: (c.execute(step).fetchall(),
-                                                   c.execute("PRAGMA freelist_count").fetchone()[0])[1])
-        self._read(lambda c: c.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall())  # the file shrinks here
-        return int(free)
-

@@ -21,9 +21,8 @@ import sqlite_utils
 
 from guard.approvals import APPROVAL_KINDS
 
-from .. import archive_schema
 from ..errors import JournalError
-from . import lease_clock
+from . import archive_schema, lease_clock
 
 __all__ = [
     "APPLICATION",
@@ -251,6 +250,13 @@ class FileKind:
     version: int = 0
     why: str = ""
     damaged: bool = False  # foreign because SQLite found it malformed, or not a database at all
+
+
+def has_approvals(conn: sqlite3.Connection) -> bool:
+    """Whether the journal has the requests for approval (a journal of a version before them, read
+    as it is, has not)."""
+    found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'approvals'").fetchone()
+    return found is not None
 
 
 def read_kind(conn: sqlite3.Connection) -> FileKind:

@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from guard.approvals import ApprovalRequest, ApprovalStep, T, approval_event
+from guard.approvals import approval_event
 from guard.canonical import NotCanonical
 from guard.leases import OwnerState
 from guard.store import CallRecord, Decide, Decision, EffectEvent, apply
 
-from .. import approvals, archive
+from .. import approvals
 from ..chain import GENESIS, compute_hash
 from ..errors import (
     JournalError,
@@ -21,11 +21,11 @@ from ..errors import (
 from ..events import JournalEvent, at_text, text_sha256
 from ..leasing import SWEEP_EVERY, claimable, named_lease, owner_state
 from ..rebuilding import as_logged
-from ..resolving import Choose, Resolving, stored_event
+from ..resolving import Choose, stored_event
 from ..rows import holds, json_text, record_from_row
 from . import lease_clock
-from .connection import _FULL, _NORMAL
-from .group_commit import GroupCommit
+from .archives import archived_record
+from .datastore import FULL, NORMAL, SQLiteDatastore
 from .sql import (
     _DROP_LEASE,
     _INSERT_EVENT,
@@ -56,11 +56,26 @@ def _time(t: datetime, same: datetime, done: str) -> str:
     return done if t is same else at_text(t)
 
 
-class Writes(GroupCommit, Resolving):
-    """The :class:`~guard.store.EffectStore` protocol, leases, settling and resolving: every write of a
-    call's event, with the projection row it folds into, in one transaction."""
+class Writer:
+    """The :class:`~guard.store.EffectStore` protocol, leases, and the primitive of settling and
+    resolving: every write of a call's event, with the projection row it folds into, in one
+    transaction of ``datastore``."""
 
-    def _head_and_record(self, conn: sqlite3.Connection,
+    def __init__(self, datastore: SQLiteDatastore) -> None:
+        self._label = str(datastore.path)
+        self._durability = datastore.durability
+        self._durable_sync = datastore.durable_sync
+        # Bound once: the guard's calls go through them.
+        self._combined = datastore.group.combined
+        self._wait_durable = datastore.group.wait_durable
+        self._write = datastore.write
+        self._read = datastore.read
+        self._decoded = datastore.decoded
+        self._owner: tuple[object, str | None] = (object(), None)
+        self._arguments: tuple[str | None, str | None] = (None, None)
+        self._taken = 0  # leases taken by this object, for the sweep of those run out
+
+    def head_and_record(self, conn: sqlite3.Connection,
                          call_id: str | None) -> tuple[tuple[int, str], CallRecord | None]:
         """Inside a write transaction: the log's (seq, hash) head and the current record of ``call_id``.
 
@@ -78,10 +93,8 @@ class Writes(GroupCommit, Resolving):
                 raise JournalError(
                     f"The stored record of the call {call_id!r} cannot be read ({e}); run verify.") from e
         if row[2] is not None and call_id is not None and (record is None or record.status == "released"):
-            kept: dict[str, CallRecord] = {}
-            archive.SQLiteSnapshot(conn).seed(kept, call_id)
-            record = as_logged(call_id, record, kept.get(call_id), conn.execute(_LOGGED_EVENTS, (call_id,)),
-                               self._decoded, str(self.path))
+            logged = conn.execute(_LOGGED_EVENTS, (call_id,))
+            record = as_logged(call_id, record, archived_record(conn, call_id), logged, self._decoded, self._label)
         return head, record
 
     def begin(self, call_id: str, decide: Decide, lease: tuple[str, float] | None = None) -> Decision:
@@ -96,19 +109,19 @@ class Writes(GroupCommit, Resolving):
         """
 
         def step(conn: sqlite3.Connection) -> Decision:
-            head, record = self._head_and_record(conn, call_id)
+            head, record = self.head_and_record(conn, call_id)
             decision = decide(record)
             if lease is not None and decision.event.kind == "pending":  # in the transaction of its pending
                 self._on_lease_clock(conn)
                 conn.execute(_TAKE_LEASE, (call_id, lease[0], lease_clock.now() + lease[1]))
-            self._append(conn, decision.event, record, head)
+            self.append_event(conn, decision.event, record, head)
             return decision
 
         try:
             decision, ticket = self._combined(step)
         except (UnicodeEncodeError, NotCanonical) as e:
-            raise unstorable(str(self.path), e) from e
-        if self.durability == "full" and decision.event.kind == "pending":
+            raise unstorable(self._label, e) from e
+        if self._durability == "full" and decision.event.kind == "pending":
             self._wait_durable(ticket)
         return decision
 
@@ -117,18 +130,18 @@ class Writes(GroupCommit, Resolving):
         ``drop_lease``: the holder whose lease on the call ends with this outcome."""
 
         def step(conn: sqlite3.Connection) -> None:
-            head, record = self._head_and_record(conn, event.call_id)
-            self._append(conn, event, record, head)
+            head, record = self.head_and_record(conn, event.call_id)
+            self.append_event(conn, event, record, head)
             if drop_lease is not None:
                 conn.execute(_DROP_LEASE, (event.call_id, drop_lease))
 
         try:
-            if event.kind == "pending" and self.durability == "full":
-                self._write(_FULL, step)
+            if event.kind == "pending" and self._durability == "full":
+                self._write(FULL, step)
             else:
                 self._combined(step)
         except (UnicodeEncodeError, NotCanonical) as e:
-            raise unstorable(str(self.path), e) from e
+            raise unstorable(self._label, e) from e
 
     def get(self, call_id: str) -> CallRecord | None:
         """The current record of ``call_id``, or None."""
@@ -136,10 +149,6 @@ class Writes(GroupCommit, Resolving):
             return None  # an id with no UTF-8 form (a lone surrogate) is never stored
         row = self._read(lambda c: c.execute(_SELECT_CALL, (call_id,)).fetchone())
         return None if row is None else self._decoded(record_from_row, row)
-
-    def call(self, call_id: str) -> CallRecord | None:
-        """The current record of ``call_id``, or None (the same as :meth:`get`)."""
-        return self.get(call_id)
 
     def recent_call(self, agent_id: str | None, idempotency_key: str, since: datetime) -> CallRecord | None:
         """The most recent call of ``agent_id`` with ``idempotency_key`` begun at or after ``since`` and
@@ -201,64 +210,19 @@ class Writes(GroupCommit, Resolving):
             conn.execute(_TAKE_LEASE, (call_id, holder, lease_clock.now() + seconds))
             return True
 
-        return self._write(_NORMAL, step)
+        return self._write(NORMAL, step)
 
-    def _append_chosen(self, doing: str, call_id: str, choose: Choose) -> JournalEvent | None:
-        """See :class:`~journal.resolving.Resolving`: one write transaction, at the journal's durability."""
+    def append_chosen(self, doing: str, call_id: str, choose: Choose) -> JournalEvent | None:
+        """See :class:`~journal.resolving.Resolver`: one write transaction, at the journal's durability."""
 
         def step(conn: sqlite3.Connection) -> JournalEvent | None:
-            head, record = self._head_and_record(conn, call_id)
+            head, record = self.head_and_record(conn, call_id)
             event = choose(record, lambda: self._owner_alive(conn, record))
             if event is None:
                 return None
-            return stored_event(event, *self._append(conn, event, record, head))
+            return stored_event(event, *self.append_event(conn, event, record, head))
 
-        return self._write(_FULL if self.durability == "full" else _NORMAL, step)
-
-    # -- approvals (see guard.approvals and journal.approvals) ------------------------------------
-
-    def approval_step(self, call_id: str, step: ApprovalStep[T]) -> T:
-        """In one write transaction, at the journal's durability (a consumed grant and the
-        ``pending`` it lets through are on disk before this returns, at ``durability="full"``):
-        read the call's record as ``begin`` does and its latest request, let ``step`` choose the
-        events, and append them in order, each folded into the calls and the requests. What
-        ``step`` raises is raised, and nothing is appended. The write lock keeps every other
-        write of the journal (another step, a ``begin``), in any thread or process, out meanwhile."""
-
-        def work(conn: sqlite3.Connection) -> T:
-            head, record = self._head_and_record(conn, call_id)
-            events, result = step(record, approvals.latest_request(conn, "?", call_id))
-            for event in events:
-                own = record if event.call_id == call_id else self._head_and_record(conn, event.call_id)[1]
-                seq, _, digest = self._append(conn, event, own, head)
-                head = (seq, digest)
-                if event.call_id == call_id:
-                    record = apply(record, event, seq)
-            return result
-
-        try:
-            return self._write(_FULL if self.durability == "full" else _NORMAL, work)
-        except (UnicodeEncodeError, NotCanonical) as e:
-            raise unstorable(str(self.path), e) from e
-
-    def approval_requests(
-        self, *, call_id: str | None = None, request_id: str | None = None, status: str | None = None,
-        tool: str | None = None, limit: int | None = None, offset: int = 0,
-    ) -> list[ApprovalRequest]:
-        """The requests for approval, newest first (by the seq they were asked at), filtered by
-        call, request id, status and tool; at most ``limit`` (None: all) after the first ``offset``."""
-        sql, params = approvals.requests("?", True, "-1", call_id=call_id, request_id=request_id, status=status,
-                                         tool=tool, limit=limit, offset=offset)
-
-        def read(conn: sqlite3.Connection) -> list[tuple[str]]:
-            try:
-                return conn.execute(sql, params).fetchall()
-            except sqlite3.OperationalError as e:
-                if "no such table" in str(e):
-                    return []  # a journal of a version before approvals, read as it is
-                raise
-
-        return [self._decoded(approvals.request_from_row, row) for row in self._read(read)]
+        return self._write(self._durable_sync, step)
 
     def owner_states(self, records: list[CallRecord]) -> dict[str, OwnerState]:
         """Whether each pending record's owner is alive, and when its lease runs out."""
@@ -289,7 +253,7 @@ class Writes(GroupCommit, Resolving):
             return None
         return self._owner_states(conn, [record])[record.call_id].alive
 
-    def _append(
+    def append_event(
         self, conn: sqlite3.Connection, event: EffectEvent, record: CallRecord | None, head: tuple[int, str]
     ) -> tuple[int, str, str]:
         """Insert ``event`` after ``head`` and fold it into the projection; returns (seq, prev, hash)."""

@@ -11,7 +11,10 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from journal.sqlite.datastore import SQLiteDatastore
 
 __all__ = ["database_full", "read_only", "write_lock_held"]
 
@@ -25,12 +28,12 @@ sys.stdin.read()  # hold the lock until the parent closes our stdin (or kills us
 """
 
 
-def _connection(journal: Any) -> Any:
+def _datastore(journal: Any) -> SQLiteDatastore:
     from journal.sqlite import SQLiteJournal
 
     if not isinstance(journal, SQLiteJournal):
         raise TypeError(f"a SQLiteJournal is needed, not {journal!r}")
-    return journal._connection()
+    return journal.datastore
 
 
 @contextmanager
@@ -41,15 +44,16 @@ def database_full(journal: Any) -> Iterator[None]:
     still fit in the free space of a page already there, so fill it with something big (an argument
     or a value of some kilobytes) when the test needs the write to fail for certain.
     """
-    conn = _connection(journal)
-    with journal._lock:
+    datastore = _datastore(journal)
+    conn = datastore.connection()
+    with datastore.lock:
         before = conn.execute("PRAGMA max_page_count").fetchone()[0]
         pages = conn.execute("PRAGMA page_count").fetchone()[0]
         conn.execute(f"PRAGMA max_page_count = {int(pages)}")
     try:
         yield
     finally:
-        with journal._lock:
+        with datastore.lock:
             conn.execute(f"PRAGMA max_page_count = {int(before)}")
 
 
@@ -60,13 +64,14 @@ def read_only(journal: Any) -> Iterator[None]:
     This is what a file that became unwritable looks like to the journal, even to root (whom a
     ``chmod`` does not stop).
     """
-    conn = _connection(journal)
-    with journal._lock:
+    datastore = _datastore(journal)
+    conn = datastore.connection()
+    with datastore.lock:
         conn.execute("PRAGMA query_only = ON")
     try:
         yield
     finally:
-        with journal._lock:
+        with datastore.lock:
             conn.execute("PRAGMA query_only = OFF")
 
 

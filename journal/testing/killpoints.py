@@ -172,7 +172,7 @@ def _dies_before_commit(store: EffectStore, kind: str, armed: Callable[[], bool]
 def _sqlite_dies_at_commit(store: Any, armed: Callable[[], bool]) -> Iterator[None]:
     # The trace callback runs as a statement starts: at COMMIT the event and the projection row are
     # written inside the transaction, and nothing of it is committed yet.
-    conn = store._connection()
+    conn = store.datastore.connection()
     inserted = [False]
 
     def trace(statement: str) -> None:

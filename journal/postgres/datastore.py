@@ -1,4 +1,13 @@
-"""The PostgreSQL journal's connections: the pool, transactions, and the one place errors are translated."""
+"""The PostgreSQL journal's datastore: its server, its sessions and its transactions.
+
+:class:`PostgresDatastore` is the one object of a journal that holds connections: the pool, the
+connection each writing thread keeps, a connection of its own for what a pooled session must not
+do. It bounds every wait (the busy deadline, the connect timeout, the client's deadline on each
+exchange), carries on after the server was lost, leaves the parent's pool alone in a forked
+child, and runs the read and write transactions, the one place where a psycopg error becomes the
+journal's own. It holds no statement of the journal but the settings of its sessions: the parts
+of :class:`~journal.postgres.PostgresJournal` bring their own SQL.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +18,8 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -19,22 +28,23 @@ from psycopg.pq import TransactionStatus
 from psycopg.sql import SQL, Identifier
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
-from guard.store import CallRecord
-
+from ..datastore import Dialect
 from ..errors import JournalError, JournalNotFound, StoreBusy
-from ..open import without_secrets
+from ..urls import without_secrets
 from .deadline import DeadlineConnection
-from .server_append import _APPEND_FN
+from .forks import fork_safe_lock
 
-if TYPE_CHECKING:
-    from .heads import _Head
-
+__all__ = ["DIALECT", "Conn", "ConnectionLost", "NoServerAppend", "PostgresDatastore", "connect_settings", "describe"]
 
 log = logging.getLogger("journal.postgres")
 
 T = TypeVar("T")
 
 Conn = psycopg.Connection[tuple[Any, ...]]
+
+# See journal.datastore.Dialect: a PostgreSQL text holds no NUL, and ORDER BY takes no word that
+# keeps an index out of the sort.
+DIALECT = Dialect(placeholder="%s", unlimited="ALL", nul=False, sort_apart="")
 
 # Pools inherited through fork are never used or closed in the child (closing one would end the
 # parent's sessions on the sockets they share); they are parked here instead.
@@ -44,7 +54,8 @@ _INHERITED: list[object] = []
 # range, an sslmode (or another setting with named values) that is none of them.
 _BAD_SETTING = re.compile(r'invalid (integer value "[^"]*" for connection option|port number:|[\w ]+ value: ")')
 
-def _describe(dsn: str) -> str:
+
+def describe(dsn: str) -> str:
     """``host:port/dbname`` (and the search_path option) of a DSN, never its password."""
     try:
         params = conninfo_to_dict(dsn)
@@ -57,11 +68,13 @@ def _describe(dsn: str) -> str:
         where += f" ({options.strip()})"
     return f"postgresql://{where}"
 
+
 def _dsn_keys(dsn: str) -> set[str]:
     try:
         return set(conninfo_to_dict(dsn))
     except psycopg.Error:
         return set()  # the connection attempt reports what is wrong with it
+
 
 def connect_settings(dsn: str, busy_timeout: float, connect_timeout: float) -> dict[str, Any]:
     """The keyword arguments of every connection the journal makes to the server of ``dsn``."""
@@ -90,15 +103,17 @@ def connect_settings(dsn: str, busy_timeout: float, connect_timeout: float) -> d
     return settings
 
 
-class _ConnectionLost(JournalError):
+class ConnectionLost(JournalError):
     """The connection died during a write whose COMMIT may have reached the server."""
 
-class _NoServerAppend(Exception):
+
+class NoServerAppend(Exception):
     """The session has no server-side append; nothing was written: append the locked way."""
+
 
 class _Held:
     """A connection one thread keeps between its appends, given back to its pool when the thread
-    ends, when the journal closes, or when it breaks (see :meth:`Connection._writer_conn`)."""
+    ends, when the journal closes, or when it breaks (see :meth:`PostgresDatastore._writer_conn`)."""
 
     __slots__ = ("__weakref__", "conn", "pid", "pool", "release")
 
@@ -125,35 +140,100 @@ class _Tx:
         self.committing = False
 
 
-class Connection:
-    """The pool of sessions, each configured for the journal's schema, and the transactions run on them."""
+class PostgresDatastore:
+    """The connections of one journal to its server, and the transactions run on them.
 
-    # What every part reads and writes on the one object (set in PostgresJournal.__init__).
-    dsn: str
-    name: str
-    schema: str
-    readonly: bool
-    busy_timeout: float
-    connect_timeout: float
-    timeout: float
-    pool_size: int
-    _connect_kwargs: dict[str, Any]
-    _recent: tuple[_Head, str | None, CallRecord | None, str | None] | None
-    _written: dict[str, tuple[CallRecord, str]]
-    _skip_cas: int
-    _taken: int
-    _server_append: bool
-    _floor: int
-    _suspect: bool
-    _closed: bool
-    _lock: threading.Lock
-    _pid: int
-    _pool: ConnectionPool[Conn]
-    _writers: threading.local  # a thread's _Held, as ``held``
-    _holders: weakref.WeakSet[_Held]
+    ``dsn`` is a libpq URL or key=value string; :attr:`name` shows it without its password.
+    ``busy_timeout`` bounds the wait for a lock and for a free pooled connection
+    (:class:`StoreBusy`), ``connect_timeout`` a connection attempt, and ``busy_timeout + timeout``
+    each exchange with the server (a late one is cut off, as a lost connection). Sessions of a
+    ``readonly`` datastore write nothing. ``session_setup`` is a statement each pooled session
+    runs as it opens (the journal's server-side append, made in the session's ``pg_temp``); a
+    session that may not run it goes without, and :attr:`server_append` turns false.
 
-    def _make_pool(self) -> ConnectionPool[Conn]:
-        pool: ConnectionPool[Conn] = ConnectionPool(
+    :meth:`start` opens the pool once the journal's schema is known; until then only
+    :meth:`session` connects. Safe to share between threads; a forked child makes a pool of its
+    own on its first use.
+    """
+
+    dialect = DIALECT
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        busy_timeout: float,
+        connect_timeout: float,
+        timeout: float,
+        pool_size: int,
+        readonly: bool,
+        session_setup: str | None,
+    ) -> None:
+        self.dsn = dsn
+        self.name = describe(dsn)
+        self.readonly = readonly
+        self.busy_timeout = busy_timeout
+        self.connect_timeout = connect_timeout
+        self.timeout = timeout
+        self.pool_size = pool_size
+        #: The schema every session's statements reach (see :meth:`start`).
+        self.schema = ""
+        #: The statement each pooled session runs as it opens; None: none.
+        self.session_setup = session_setup
+        #: Whether the sessions have the server-side append: false for a read-only journal, and
+        #: from the first time a session could not make it (see :meth:`no_server_append`).
+        self.server_append = not readonly and session_setup is not None
+        self._connect_kwargs = connect_settings(dsn, busy_timeout, connect_timeout)
+        self._lost: list[Callable[[], None]] = []
+        self._suspect = False  # a connection failed lately: probe the server before waiting on the pool
+        self._closed = False
+        self._lock = fork_safe_lock()
+        self._pid = os.getpid()
+        self._pool = self._new_pool()  # opened by start, once the schema is known
+        self._writers = threading.local()  # a thread's _Held, as ``held``
+        self._holders: weakref.WeakSet[_Held] = weakref.WeakSet()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, schema: str) -> None:
+        """Open the pool, each session's statements set to reach ``schema``."""
+        self.schema = schema
+        self._pool.open(wait=False)
+
+    @property
+    def pool(self) -> ConnectionPool[Conn]:
+        """The pool of this process's sessions."""
+        return self._pool
+
+    def close(self) -> None:
+        """Give back the connections threads keep and close the pool; nothing can be run afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if os.getpid() == self._pid:
+            for held in list(self._holders):
+                self._holders.discard(held)
+                held.release()
+            self._pool.close()
+
+    def when_lost(self, forget: Callable[[], None]) -> None:
+        """Call ``forget`` whenever a connection is found dead: the server may have restarted and
+        lost the events committed last without waiting for the flush, so what a part remembers of
+        the log (the head its last write left) may name events that are gone."""
+        self._lost.append(forget)
+
+    def no_server_append(self, why: str) -> None:
+        """Append the locked way from now on, since ``why``."""
+        if self.server_append:
+            self.server_append = False
+            log.warning("journal %s: appends lock the chain head from the client, since %s", self.name, why)
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def _new_pool(self) -> ConnectionPool[Conn]:
+        """A pool of sessions configured for the journal, not open yet."""
+        return ConnectionPool(
             self.dsn,
             kwargs=self._connect_kwargs,
             min_size=1,
@@ -164,10 +244,6 @@ class Connection:
             name="airlock-journal",
             open=False,
         )
-        pool.open(wait=False)
-        return pool
-
-    # -- connections and errors ---------------------------------------------------------------
 
     def _configure(self, conn: Conn) -> None:
         self._set_deadline(conn)
@@ -191,16 +267,16 @@ class Connection:
         # Only the schema checked at open: should it lose its USAGE grant later (or a schema named
         # after the login appear), a statement fails instead of reaching another schema's tables.
         conn.execute(SQL("SET search_path = {}").format(Identifier(self.schema)))
-        if self._server_append:
+        if self.server_append and self.session_setup is not None:
             try:
-                conn.execute(_APPEND_FN.encode())
+                conn.execute(self.session_setup.encode())
             except (pg_errors.InsufficientPrivilege, pg_errors.ReadOnlySqlTransaction) as e:
-                self._no_server_append(f"the login cannot make a temporary function ({str(e).strip()})")
+                self.no_server_append(f"the login cannot make a temporary function ({str(e).strip()})")
 
-    def _no_server_append(self, why: str) -> None:
-        if self._server_append:
-            self._server_append = False
-            log.warning("journal %s: appends lock the chain head from the client, since %s", self.name, why)
+    def _set_deadline(self, conn: Conn) -> None:
+        # The server is given the lock wait it is allowed (lock_timeout), and timeout more to answer.
+        if isinstance(conn, DeadlineConnection):
+            conn.set_deadline(self.busy_timeout + self.timeout)
 
     def _connect_direct(self, doing: str) -> Conn:
         try:
@@ -210,10 +286,18 @@ class Connection:
         self._set_deadline(conn)
         return conn
 
-    def _set_deadline(self, conn: Conn) -> None:
-        # The server is given the lock wait it is allowed (lock_timeout), and timeout more to answer.
-        if isinstance(conn, DeadlineConnection):
-            conn.set_deadline(self.busy_timeout + self.timeout)
+    @contextlib.contextmanager
+    def session(self, doing: str) -> Iterator[Conn]:
+        """A connection of its own, outside the pool, closed on leaving: for what a pooled session
+        cannot do (open the journal before the pool exists, wait on ``LISTEN``). A psycopg error
+        raised inside becomes the journal's, ``doing`` naming what failed."""
+        conn = self._connect_direct(doing)
+        try:
+            yield conn
+        except psycopg.Error as e:
+            raise self._translate(e, doing) from e
+        finally:
+            conn.close()
 
     def _translate(self, e: Exception, doing: str) -> JournalError:
         """The one place a psycopg (or pool) error becomes the journal's own."""
@@ -254,13 +338,11 @@ class Connection:
         return JournalError(f"cannot {doing} in the journal {self.name}: {message}")
 
     def _connection_broke(self) -> None:
-        """A connection died: the server may have restarted, and lost the events committed last
-        without waiting for the flush. Probe it before waiting on the pool, and forget the head and
-        record this object last wrote: after such a loss they may name events that are gone."""
+        """A connection died: the server may have restarted. Probe it before waiting on the pool,
+        and have the parts forget what they remember of the log."""
         self._suspect = True
-        self._recent = None
-        with self._lock:
-            self._written.clear()
+        for forget in self._lost:
+            forget()
 
     def _probe(self, doing: str) -> None:
         """Connect once outside the pool: raises at once while the server is down."""
@@ -277,119 +359,29 @@ class Connection:
                 if os.getpid() != self._pid:  # a forked child: a pool of its own
                     _INHERITED.append(self._pool)
                     self._pid = os.getpid()
-                    self._pool = self._make_pool()
+                    self._pool = self._new_pool()
+                    self._pool.open(wait=False)
                     self._writers, self._holders = threading.local(), weakref.WeakSet()
         if self._suspect:
             self._probe(doing)
+        pool = self._pool
         deadline = time.monotonic() + self.busy_timeout
         try:
-            return self._pool.getconn(timeout=min(self.connect_timeout, self.busy_timeout))
+            return pool.getconn(timeout=min(self.connect_timeout, self.busy_timeout))
         except PoolTimeout:
             pass
         except PoolClosed as e:
             raise JournalError(f"cannot {doing}: the journal {self.name} is closed") from e
         # No connection in connect_timeout. With connections of its own the pool is only busy: wait
         # on. With none, the server may be down: then fail now, not at the busy deadline.
-        if not self._pool.get_stats().get("pool_size", 0):
+        if not pool.get_stats().get("pool_size", 0):
             self._probe(doing)
         try:
-            return self._pool.getconn(timeout=max(0.001, deadline - time.monotonic()))
+            return pool.getconn(timeout=max(0.001, deadline - time.monotonic()))
         except PoolTimeout as e:
             raise self._translate(e, doing) from e
         except PoolClosed as e:
             raise JournalError(f"cannot {doing}: the journal {self.name} is closed") from e
-
-    def _read(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        """Run one query and fetch its rows; a dead pooled connection is replaced once."""
-        for attempt in (1, 2):
-            conn = self._getconn(doing)
-            try:
-                return conn.execute(sql.encode(), params).fetchall()
-            except psycopg.Error as e:
-                if attempt == 1 and conn.broken:
-                    self._connection_broke()
-                    continue
-                raise self._translate(e, doing) from e
-            finally:
-                self._pool.putconn(conn)
-        raise AssertionError("unreachable")
-
-    def _rows(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        """The rows of one statement (see :class:`~journal.reading.LogReads`)."""
-        return self._read(doing, sql, params)
-
-    def _read_only(self, doing: str, work: Callable[[Conn], T]) -> T:
-        """Run ``work`` in one read-only transaction that sees one snapshot (writers carry on);
-        a connection that died with an earlier server is replaced once."""
-        for attempt in (1, 2):
-            conn = self._getconn(doing)
-            try:
-                with conn.transaction():
-                    conn.execute(b"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                    return work(conn)
-            except psycopg.Error as e:
-                if conn.broken:
-                    self._connection_broke()
-                    if attempt == 1:
-                        continue  # it only read
-                raise self._translate(e, doing) from e
-            finally:
-                self._pool.putconn(conn)
-        raise AssertionError("unreachable")
-
-    def _snapshot(self, doing: str, statements: Sequence[str]) -> list[list[tuple[Any, ...]]]:
-        """The rows of each of ``statements``, in one snapshot."""
-        return self._read_only(doing, lambda conn: [conn.execute(s.encode()).fetchall() for s in statements])
-
-    def _write(self, doing: str, work: Callable[[Conn], T], pipeline: bool = True, retry: bool = True) -> T:
-        """Run ``work`` in one write transaction (pipelined), committed on return.
-
-        A connection found dead before anything could commit is replaced and ``work`` run again;
-        a failure once COMMIT may have reached the server is never retried (it might have
-        committed) and raises :class:`JournalError` (:class:`_ConnectionLost` when the connection died).
-        """
-        if self.readonly:
-            raise JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
-        for attempt in (1, 2):
-            conn = self._getconn(doing)
-            tx = _Tx()
-            try:
-                if pipeline:
-                    with conn.pipeline(), conn.transaction():
-                        result = work(conn)
-                        tx.committing = True
-                else:
-                    with conn.transaction():
-                        result = work(conn)
-                        tx.committing = True
-                return result
-            except psycopg.Error as e:
-                if retry and attempt == 1 and conn.broken and not tx.committing:
-                    self._connection_broke()
-                    continue
-                if conn.broken:
-                    self._connection_broke()
-                    raise _ConnectionLost(str(self._translate(e, doing))) from e
-                raise self._translate(e, doing) from e
-            finally:
-                self._pool.putconn(conn)
-        raise AssertionError("unreachable")
-
-    def _single_statement(self, doing: str, sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
-        """Run one write statement as its own transaction (autocommit: one round trip, no BEGIN or
-        COMMIT); its first row. A connection that dies meanwhile leaves it in doubt:
-        :class:`_ConnectionLost`."""
-        self._check_writable(doing)
-        conn = self._writer_conn(doing)
-        try:
-            return conn.execute(sql, params).fetchone()
-        except psycopg.Error as e:
-            if conn.broken:
-                self._connection_broke()
-                raise _ConnectionLost(str(self._translate(e, doing))) from e
-            raise self._translate(e, doing) from e
-        finally:
-            self._writer_done(conn)
 
     def _writer_conn(self, doing: str) -> Conn:
         """A connection for one of the guard's one-statement appends: this thread's own, kept from
@@ -423,21 +415,143 @@ class Connection:
         self._holders.discard(held)
         held.release()
 
-    def _release_writers(self) -> None:
-        """Give every connection a thread keeps back to the pool (on close)."""
-        for held in list(self._holders):
-            self._holders.discard(held)
-            held.release()
+    # -- transactions -------------------------------------------------------------------------
 
-    def _check_writable(self, doing: str) -> None:
+    def check_writable(self, doing: str) -> None:
+        """Raise :class:`JournalError` for ``doing`` on a read-only journal."""
         if self.readonly:
             raise JournalError(f"cannot {doing}: the journal {self.name} is open read-only")
 
-    def _decoded(self, decode: Callable[[tuple[Any, ...]], T], row: tuple[Any, ...]) -> T:
+    def label(self) -> str:
+        """How the journal's messages name it: :attr:`name`, never with a password."""
+        return self.name
+
+    def decoded(self, decode: Callable[[Any], T], row: Any) -> T:
+        """``decode(row)``; a stored row that cannot be read raised as the journal's error."""
         try:
             return decode(row)
         except (ValueError, TypeError) as e:
             raise JournalError(f"a stored row of the journal {self.name} cannot be read ({e}); run verify") from e
 
-    def _label(self) -> str:
-        return self.name
+    def rows(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run one query and fetch its rows (``doing`` names it in an error); a dead pooled
+        connection is replaced once."""
+        for attempt in (1, 2):
+            conn = self._getconn(doing)
+            try:
+                return conn.execute(sql.encode(), params).fetchall()
+            except psycopg.Error as e:
+                if attempt == 1 and conn.broken:
+                    self._connection_broke()
+                    continue
+                raise self._translate(e, doing) from e
+            finally:
+                self._pool.putconn(conn)
+        raise AssertionError("unreachable")
+
+    def read_only(self, doing: str, work: Callable[[Conn], T]) -> T:
+        """Run ``work`` in one read-only transaction that sees one snapshot (writers carry on);
+        a connection that died with an earlier server is replaced once."""
+        for attempt in (1, 2):
+            conn = self._getconn(doing)
+            try:
+                with conn.transaction():
+                    conn.execute(b"SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                    return work(conn)
+            except psycopg.Error as e:
+                if conn.broken:
+                    self._connection_broke()
+                    if attempt == 1:
+                        continue  # it only read
+                raise self._translate(e, doing) from e
+            finally:
+                self._pool.putconn(conn)
+        raise AssertionError("unreachable")
+
+    def snapshot(self, doing: str, statements: Sequence[str]) -> list[list[tuple[Any, ...]]]:
+        """The rows of each of ``statements``, in one snapshot."""
+        return self.read_only(doing, lambda conn: [conn.execute(s.encode()).fetchall() for s in statements])
+
+    def write(self, doing: str, work: Callable[[Conn], T], pipeline: bool = True, retry: bool = True) -> T:
+        """Run ``work`` in one write transaction (pipelined), committed on return.
+
+        A connection found dead before anything could commit is replaced and ``work`` run again
+        (unless not ``retry``); a failure once COMMIT may have reached the server is never retried
+        (it might have committed) and raises :class:`JournalError` (:class:`ConnectionLost` when
+        the connection died).
+        """
+        self.check_writable(doing)
+        for attempt in (1, 2):
+            conn = self._getconn(doing)
+            tx = _Tx()
+            try:
+                if pipeline:
+                    with conn.pipeline(), conn.transaction():
+                        result = work(conn)
+                        tx.committing = True
+                else:
+                    with conn.transaction():
+                        result = work(conn)
+                        tx.committing = True
+                return result
+            except psycopg.Error as e:
+                if retry and attempt == 1 and conn.broken and not tx.committing:
+                    self._connection_broke()
+                    continue
+                if conn.broken:
+                    self._connection_broke()
+                    raise ConnectionLost(str(self._translate(e, doing))) from e
+                raise self._translate(e, doing) from e
+            finally:
+                self._pool.putconn(conn)
+        raise AssertionError("unreachable")
+
+    def single_statement(self, doing: str, sql: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
+        """Run one write statement as its own transaction (autocommit: one round trip, no BEGIN or
+        COMMIT) on this thread's writer connection; its first row. A connection that dies
+        meanwhile leaves it in doubt: :class:`ConnectionLost`."""
+        self.check_writable(doing)
+        conn = self._writer_conn(doing)
+        try:
+            return conn.execute(sql, params).fetchone()
+        except psycopg.Error as e:
+            if conn.broken:
+                self._connection_broke()
+                raise ConnectionLost(str(self._translate(e, doing))) from e
+            raise self._translate(e, doing) from e
+        finally:
+            self._writer_done(conn)
+
+    def resendable(self, doing: str, sql: str, params: Sequence[Any]) -> tuple[Any, ...]:
+        """Run one call of the server-side append (``sql``: a statement that may be sent twice, the
+        server telling the second from the first) on this thread's writer connection; its one row.
+        A connection that dies meanwhile is replaced and the same statement sent again, once.
+
+        Raises :class:`NoServerAppend` when the session has no server-side append (nothing was
+        written), and :class:`ConnectionLost` when it is found missing on the second try (the
+        first, cut off, may still append) or the connection dies again."""
+        self.check_writable(doing)
+        for attempt in (1, 2):
+            conn = self._writer_conn(doing)
+            try:
+                row = conn.execute(sql, params).fetchone()
+                assert row is not None  # the function returns one row
+                return row
+            except (pg_errors.UndefinedFunction, pg_errors.InvalidSchemaName) as e:
+                # This session could not make the function (see _configure): it wrote nothing.
+                self.no_server_append(f"a session has no server-side append ({str(e).strip()})")
+                if attempt == 1:
+                    raise NoServerAppend() from e
+                # The first call, cut off, may still append: the locked way cannot tell its event.
+                raise ConnectionLost(f"cannot {doing}: the connection to the journal {self.name} was lost "
+                                     "while the append was made, and it cannot be made again the same way") from e
+            except psycopg.Error as e:
+                if conn.broken:
+                    self._connection_broke()
+                    if attempt == 1:
+                        continue
+                    raise ConnectionLost(str(self._translate(e, doing))) from e
+                raise self._translate(e, doing) from e
+            finally:
+                self._writer_done(conn)
+        raise AssertionError("unreachable")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from .rows import CALL_COLUMNS
+from ..rows import CALL_COLUMNS
 
 __all__ = ["COPY_ON_WRITE", "record_of", "sqlite_v7"]
 

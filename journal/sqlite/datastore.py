@@ -1,8 +1,14 @@
-"""The SQLite journal's connection: opening the file, transactions and their retries."""
+"""The SQLite journal's datastore: the one object that owns its file, its connection, the
+transactions made on it and their retries, the write lock, group commit (see
+:mod:`journal.sqlite.group_commit`), a file found damaged, and what a fork does to all of them.
+
+Every sqlite3 error a transaction meets leaves it as the journal's own error, here. The parts
+of the journal (its writes, reads, checks, archives, approvals) are built on this object's public
+methods and touch nothing else of it.
+"""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import os
@@ -12,8 +18,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar
 
+from ..datastore import Dialect
 from ..errors import (
     DiskFull,
     JournalDamaged,
@@ -23,24 +30,25 @@ from ..errors import (
     NotAJournal,
     StoreBusy,
 )
-from . import damage, schema
-from .forks import _FORKS, _INHERITED
+from . import damage, forks, schema
+from .group_commit import GroupCommit, held
+
+__all__ = ["DIALECT", "FULL", "NORMAL", "Durability", "SQLiteDatastore"]
 
 T = TypeVar("T")
 Durability = Literal["full", "process"]
 
-_FULL, _NORMAL = "FULL", "NORMAL"
+# The synchronous levels a transaction commits at.
+FULL, NORMAL = "FULL", "NORMAL"
+_FULL, _NORMAL = FULL, NORMAL
+
+DIALECT = Dialect(placeholder="?", unlimited="-1", nul=True, sort_apart="+")
 
 _BUSY_CODES = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 _CHECKPOINT_PAGES = 4000
 
 _WAL_KEEP = 16 * 1024 * 1024
-
-def _held(lock: threading.RLock) -> int:
-    """How many times the calling thread holds ``lock`` (0: not at all)."""
-    count: int = cast(Any, lock)._recursion_count()
-    return count
 
 def _settle(conn: sqlite3.Connection) -> None:
     """End a transaction that an interrupt (KeyboardInterrupt, an exception from a signal handler)
@@ -68,46 +76,152 @@ def _failure(path: object, e: sqlite3.Error) -> str:
             "restore it from a copy, or read what is left with a tool that takes bytes.")
 
 
-class Connection:
-    """The journal's file and its one connection: opening (checked before anything is written),
-    transactions retried within the busy deadline, and a file found damaged."""
+class SQLiteDatastore:
+    """A journal file and this process's one connection to it, shared by threads.
 
-    # What every part reads and writes on the one object (set in SQLiteJournal.__init__).
-    path: Path
-    durability: Durability
-    busy_timeout: float
-    readonly: bool
-    _file: Path
-    _wal_path: str
-    _mark: str
-    _create: bool
-    _lock: threading.RLock
-    _requests: collections.deque[Any]
-    _sync: str | None
-    _owner: tuple[object, str | None]
-    _arguments: tuple[str | None, str | None]
-    _closed: bool
-    _taken: int
-    _damaged: str | None
-    _archive: tuple[int, int, int, bool] | None
-    _tidy: int | None
-    _first_open: bool
-    _txn: int
-    _committing: int
-    _committed: int
-    _counted: int
-    _written: int
-    _conns: int
-    _conn: sqlite3.Connection | None
-    _stale: bool
-    _forks: int
+    Args as :class:`~journal.sqlite.SQLiteJournal` takes them. Opening checks the file before
+    anything is written (raises :class:`JournalNotFound`, :class:`NotAJournal`,
+    :class:`NewerSchema`, :class:`JournalError`). Before a fork it lets go of its connection, and
+    opens a new one when next used, in the parent and in the child alike (see :mod:`journal.sqlite.forks`).
+    """
+
+    dialect = DIALECT
+
+    def __init__(self, path: str | os.PathLike[str], durability: Durability, busy_timeout: float, *,
+                 readonly: bool, create: bool) -> None:
+        self.path = Path(path)
+        # The file itself, for every open and the WAL's fsync: wherever the cwd moves, and past a
+        # symbolic link (SQLite keeps the WAL beside the file the link points to).
+        self.file = Path(os.path.realpath(path))
+        self.wal_path = f"{self.file}-wal"
+        self._mark = str(damage.mark_path(self.file))  # where a damage found is marked
+        self.durability: Durability = durability
+        # The level of a write that is as durable as the journal: an operator's, an archive's.
+        self.durable_sync = FULL if durability == "full" else NORMAL
+        self.busy_timeout = float(busy_timeout)
+        self.readonly = readonly
+        self._create = create
+        self._lock = threading.RLock()
+        self._sync: str | None = None
+        self.closed = False  # closed by close(): the object cannot be used afterwards
+        self._damaged: str | None = None  # what SQLite said when this object found the file damaged
+        self._archive: tuple[int, int, int, bool] | None = None  # the file as a read-only open found it
+        self._tidy: int | None = None  # the inode of a file whose side files a read-only open made
+        self._first_open = True
+        self.txn_begun = 0  # write transactions begun, numbered
+        self._committing = 0  # the one whose COMMIT was sent
+        self.txn_committed = 0  # the last one known committed
+        self.conns_opened = 0  # connections opened, numbered: the WAL descriptor belongs to one of them
+        self.group = GroupCommit(self)
+        self._conn: sqlite3.Connection | None = self._open()
+        self.conns_opened = 1
+        self._stale = False  # the connection lost its WAL: open a new one
+        self._first_open = False
+        self._forks = forks.FORKS[0]
+        forks.opened(self)
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by a thread while it uses the connection; a write holds it for its transaction."""
+        return self._lock
+
+    @property
+    def connected(self) -> bool:
+        """Whether this object holds an open connection (none after close, or let go of for a fork)."""
+        return self._conn is not None
+
+    def close(self) -> None:
+        """Close the connection; the object cannot be used afterwards. Closing twice is harmless."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                conn, self._conn = self._conn, None
+                if forks.FORKS[0] == self._forks:
+                    if conn is not None:
+                        with contextlib.suppress(sqlite3.Error):  # nothing is left to lose on close
+                            conn.close()
+                    if self._tidy is not None:
+                        self._remove_side_files(self._tidy)
+                elif conn is not None:
+                    forks.INHERITED.append(conn)
+                self.group.close()
+
+    def remove_if_empty(self) -> bool:
+        """When the log holds no event, close the journal and remove its file and the files SQLite
+        keeps beside it; returns whether it did (False: the log holds events, and all is left as
+        it is). Raises :class:`JournalError` when the journal cannot be written."""
+        with self._lock:
+            if not self.write(NORMAL, lambda c: c.execute("SELECT NOT EXISTS (SELECT 1 FROM events)").fetchone()[0]):
+                return False
+            self.close()
+            try:
+                os.unlink(self.file)
+            except OSError as e:
+                raise JournalError(f"Cannot remove the journal {self.path}: {e.strerror}.") from e
+            for name in (self.wal_path, f"{self.file}-shm", f"{self.file}-journal"):
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+            return True
+
+    def _remove_side_files(self, inode: int) -> None:
+        """Take away the ``-wal`` and ``-shm`` files that reading made beside a journal that had none.
+
+        A read-only connection cannot remove them; one that may write does, when it closes as the
+        file's last connection (SQLite checks that under its locks, and the WAL is empty: nothing is
+        copied into the file). While another process has the journal open, they stay, as it needs
+        them. Where this process may not write the file, they stay too.
+        """
+        file = self.file
+        with contextlib.suppress(OSError, sqlite3.Error):
+            if os.stat(file).st_ino != inode or not os.access(file, os.R_OK | os.W_OK):
+                return
+            with schema.OPENING:
+                conn = sqlite3.connect(str(file), timeout=0, isolation_level=None)
+            try:
+                conn.execute("PRAGMA query_only = 1")
+                conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            finally:
+                conn.close()
+
+    def before_fork(self) -> threading.RLock | None:
+        """Let go of the connection between transactions, the lock held (returned, for the parent
+        to release after the fork); None when the lock stayed busy (see :mod:`journal.sqlite.forks`)."""
+        lock = self._lock
+        if not lock.acquire(timeout=self.busy_timeout):
+            return None
+        self._let_go()
+        return lock
+
+    def forked(self) -> None:
+        """In a forked child: the parent's lock and queue may be held, or filled, by threads the
+        child lacks; an fsync a parent thread was making is not the child's to wait for."""
+        self._lock = threading.RLock()
+        self.group.forked()
+
+    @property
+    def current(self) -> sqlite3.Connection | None:
+        """The connection open now, if any: for the test kit and the benchmarks, which trace or
+        wrap it (what they set is used until the connection is next opened again)."""
+        return self._conn
+
+    @current.setter
+    def current(self, conn: sqlite3.Connection | None) -> None:
+        self._conn = conn
+
+    def mark_stale(self) -> None:
+        """The connection lost its WAL to another process: the next use opens a new one."""
+        self._stale = True
+
+    # -- opening -------------------------------------------------------------------------------
 
     def _open(self) -> sqlite3.Connection:
         return self._open_readonly() if self.readonly else self._open_writable()
 
     def _open_readonly(self) -> sqlite3.Connection:
         """A connection that reads the journal as it is, changing nothing (see ``schema.reader_uri``)."""
-        path, file = self.path, self._file
+        path, file = self.path, self.file
         if not file.exists():
             raise self._not_found()
         kind = self._check(self._inspect(), blank_ok=False)
@@ -129,7 +243,7 @@ class Connection:
 
     def _open_writable(self) -> sqlite3.Connection:
         """A connection to the journal, made (mode 0600) or migrated first where allowed."""
-        path, file = self.path, self._file
+        path, file = self.path, self.file
         if not file.exists():
             if not self._create:
                 raise self._not_found()
@@ -154,18 +268,18 @@ class Connection:
             if kind.kind == "blank":
                 # Before the WAL makes the file's header: the pages an archive frees can then be given
                 # back in small steps (PRAGMA incremental_vacuum); an older file needs a VACUUM for it.
-                self._retry(conn, lambda: conn.execute("PRAGMA auto_vacuum = INCREMENTAL"))
-            self._retry(conn, lambda: conn.execute("PRAGMA journal_mode = WAL"))
+                self.retry(conn, lambda: conn.execute("PRAGMA auto_vacuum = INCREMENTAL"))
+            self.retry(conn, lambda: conn.execute("PRAGMA journal_mode = WAL"))
             # A guarded call dirties about ten pages; checkpointing (two fsyncs) every 1000 pages, as
             # SQLite does by default, would cost more than the call's own fsync. The WAL is cut back
             # to _WAL_KEEP bytes after each checkpoint.
-            self._retry(conn, lambda: conn.execute(f"PRAGMA wal_autocheckpoint = {_CHECKPOINT_PAGES}"))
-            self._retry(conn, lambda: conn.execute(f"PRAGMA journal_size_limit = {_WAL_KEEP}"))
+            self.retry(conn, lambda: conn.execute(f"PRAGMA wal_autocheckpoint = {_CHECKPOINT_PAGES}"))
+            self.retry(conn, lambda: conn.execute(f"PRAGMA journal_size_limit = {_WAL_KEEP}"))
             self._sync = None
             if kind.kind != "journal" or kind.version < schema.LATEST:
                 # Made or migrated under the write lock; a journal already at the latest version
                 # needs no write to open (nor the lock, which another process may be holding).
-                self._transaction(conn, _NORMAL, self._initialise)
+                self.transaction(conn, _NORMAL, self._initialise)
         except BaseException:
             conn.close()
             raise
@@ -180,7 +294,7 @@ class Connection:
     def _check_room(self) -> None:
         """Refuse to open on a full disk before SQLite makes its -wal and -shm files beside the
         journal: made on a disk without room, they are left there, empty and cut short."""
-        if not os.path.exists(f"{self._file}-shm") and schema.no_room(self._file):
+        if not os.path.exists(f"{self.file}-shm") and schema.no_room(self.file):
             raise self._disk_full()
 
     def _disk_full(self) -> DiskFull:
@@ -189,7 +303,7 @@ class Connection:
 
     def _inspect(self) -> schema.FileKind:
         try:
-            return schema.inspect(self._file, self.busy_timeout)
+            return schema.inspect(self.file, self.busy_timeout)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise self._disk_full() from e
@@ -229,17 +343,17 @@ class Connection:
 
     # -- transactions --------------------------------------------------------------------------
 
-    def _connection(self) -> sqlite3.Connection:
-        if self._closed:
+    def connection(self) -> sqlite3.Connection:
+        if self.closed:
             raise JournalError(f"The journal {self.path} is closed.")
-        if _FORKS[0] != self._forks:  # first use in a forked child
+        if forks.FORKS[0] != self._forks:  # first use in a forked child
             if self._conn is not None:  # not let go of before the fork (its lock stayed busy)
-                _INHERITED.append(self._conn)
+                forks.INHERITED.append(self._conn)
                 self._conn = None
-            self._forks = _FORKS[0]
+            self._forks = forks.FORKS[0]
         conn = self._conn
         if conn is not None and (self._stale or (
-            self._archive is not None and schema.signature(self._file) != self._archive
+            self._archive is not None and schema.signature(self.file) != self._archive
         )):
             # Its WAL was taken away under it; or, opened as an archive, the file has been written
             # since: open it again (the ordinary way, if it can be).
@@ -251,18 +365,18 @@ class Connection:
             self._stale = False
             self._sync = None
             conn = self._conn = self._open()  # kept only once opened: a failure is tried again next time
-            self._conns += 1
+            self.conns_opened += 1
         return conn
 
     def _let_go(self) -> None:
         """Close this process's connection (between transactions); the next use opens a new one."""
         conn = self._conn
-        if conn is not None and not self._closed and _FORKS[0] == self._forks:
+        if conn is not None and not self.closed and forks.FORKS[0] == self._forks:
             self._conn = None
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
 
-    def _retry(self, conn: sqlite3.Connection, step: Callable[[], T]) -> T:
+    def retry(self, conn: sqlite3.Connection, step: Callable[[], T]) -> T:
         """Run ``step`` until it is not refused by a lock, within the busy deadline."""
         deadline = time.monotonic() + self.busy_timeout
         waited = False
@@ -286,12 +400,12 @@ class Connection:
         """After ``e``: raise it as a JournalError, or StoreBusy past the deadline, or wait a little
         and return True (the connection's busy timeout is then shortened to what is left)."""
         if not _busy(e):
-            if self.readonly and "malformed" in str(e) and schema.reader_uri(self._file).endswith("immutable=1"):
+            if self.readonly and "malformed" in str(e) and schema.reader_uri(self.file).endswith("immutable=1"):
                 raise JournalError(
                     f"The journal {self.path} changed while it was read as a read-only archive (nothing can "
                     f"be locked in its directory, so a writer is not seen): read it again ({e})."
                 ) from e
-            if schema.full_disk_error(self._file, e):
+            if schema.full_disk_error(self.file, e):
                 raise self._disk_full() from e
             if damage.damaged(e):
                 raise self._found_damaged(e) from e
@@ -312,7 +426,7 @@ class Connection:
     def _found_damaged(self, e: sqlite3.Error) -> JournalDamaged:
         """Mark the file damaged, for this object and (with the mark beside it) every process."""
         self._damaged = str(e)
-        damage.mark(self._file, str(e))
+        damage.mark(self.file, str(e))
         return self._damaged_error(str(e))
 
     def _damaged_error(self, problem: str) -> JournalDamaged:
@@ -326,7 +440,7 @@ class Connection:
         if problem is not None:
             raise self._damaged_error(problem)
 
-    def _transaction(
+    def transaction(
         self, conn: sqlite3.Connection, sync: str, body: Callable[[sqlite3.Connection], T],
         deadline: float | None = None,
     ) -> T:
@@ -359,8 +473,8 @@ class Connection:
                         self._sync = None  # unknown until the PRAGMA has run, should it be interrupted
                         conn.execute(f"PRAGMA synchronous = {sync}")
                         self._sync = sync
-                    self._txn += 1
-                    txn = self._txn
+                    self.txn_begun += 1
+                    txn = self.txn_begun
                     try:
                         conn.execute("BEGIN IMMEDIATE")
                         result = body(conn)
@@ -371,9 +485,9 @@ class Connection:
                             conn.execute("ROLLBACK")
                         elif self._committing == txn and not isinstance(e, sqlite3.Error):
                             # COMMIT ran, and an interrupt came as it returned: it is made all the same.
-                            self._committed = txn
+                            self.txn_committed = txn
                         raise
-                    self._committed = txn
+                    self.txn_committed = txn
                     return result
                 except sqlite3.Error as e:
                     waited = self._wait(conn, e, deadline)
@@ -381,38 +495,38 @@ class Connection:
             if waited:
                 self._restore_busy_timeout(conn)
 
-    def _write(self, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
+    def write(self, sync: str, body: Callable[[sqlite3.Connection], T]) -> T:
         lock = self._lock
-        depth = _held(lock)
+        depth = held(lock)
         try:
             if not lock.acquire(timeout=self.busy_timeout):
-                raise self._own_lock_busy()
-            return self._transaction(self._connection(), sync, body)
+                raise self.own_lock_busy()
+            return self.transaction(self.connection(), sync, body)
         finally:
             # Released by what this thread holds, not by whether acquire() returned: an interrupt can
             # come as it returns, before anything else runs.
-            if _held(lock) > depth:
+            if held(lock) > depth:
                 lock.release()
 
-    def _own_lock_busy(self) -> StoreBusy:
+    def own_lock_busy(self) -> StoreBusy:
         return StoreBusy(f"The journal {self.path} stayed busy with another thread's work for "
                          f"{self.busy_timeout:g} s.")
 
-    def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
+    def read(self, body: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
-            conn = self._connection()
+            conn = self.connection()
 
             def settled() -> T:
                 _settle(conn)
                 return body(conn)
 
-            return self._retry(conn, settled)
+            return self.retry(conn, settled)
 
-    def _rows(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        """The rows of one statement (see :class:`~journal.reading.LogReads`)."""
-        return self._read(lambda c: c.execute(sql, params).fetchall())
+    def rows(self, doing: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """The rows of one statement (see :class:`~journal.datastore.Datastore`)."""
+        return self.read(lambda c: c.execute(sql, params).fetchall())
 
-    def _snapshot(self, doing: str, statements: Sequence[str]) -> list[list[tuple[Any, ...]]]:
+    def snapshot(self, doing: str, statements: Sequence[str]) -> list[list[tuple[Any, ...]]]:
         """The rows of each of ``statements``, in one read transaction: the counts of one moment."""
 
         def read(c: sqlite3.Connection) -> list[list[tuple[Any, ...]]]:
@@ -423,16 +537,36 @@ class Connection:
                 if c.in_transaction:
                     c.execute("COMMIT")
 
-        return self._read(read)
+        return self.read(read)
 
-    def _decoded(self, decode: Callable[[Any], T], row: Any) -> T:
+    def decoded(self, decode: Callable[[Any], T], row: Any) -> T:
         try:
             return decode(row)
         except (ValueError, TypeError) as e:
             raise JournalError(f"A stored row of the journal {self.path} cannot be read ({e}); run verify.") from e
 
-    def _label(self) -> str:
+    def label(self) -> str:
         return str(self.path)
+
+    # -- what the parts ask besides ------------------------------------------------------------
+
+    def open_reader(self) -> sqlite3.Connection:
+        """A read-only connection of its own to the file (opened once this object's connection
+        has opened the journal, migrating it where it may): for a long read that holds neither
+        the lock nor a read transaction of the shared connection. The caller closes it."""
+        with self._lock:
+            self.connection()
+        return self._connect(schema.reader_uri(self.file), uri=True)
+
+    def damage_found(self) -> str | None:
+        """What SQLite said when this object, or any process (by the mark beside the file), found
+        the file damaged; None when it is not known to be."""
+        return self._damaged or damage.marked(self._mark)
+
+    def clear_damage(self) -> None:
+        """Take the mark away, for this object and every process: the file has been found whole."""
+        damage.clear(self.file)
+        self._damaged = None
 
 
 def _holds_writes(file: str | os.PathLike[str]) -> bool:

@@ -10,7 +10,7 @@ what the one-pass ``SQLiteJournal.verify`` checks; they only say whether all is 
 finds a problem, the journal is verified again in one pass, which names the first bad event (or
 index) exactly as it always does.
 
-A part runs in this process or in a child: ``python -m journal.sqlite_verify PATH PART PARTS HEAD``
+A part runs in this process or in a child: ``python -m journal.sqlite.verify PATH PART PARTS HEAD``
 prints ``{"ok":true}`` or ``{"ok":false}``.
 """
 
@@ -28,12 +28,13 @@ from typing import Any
 
 import orjson
 
-from . import archive, verifying
-from .chain import GENESIS, ChainCheck
-from .events import VerifyReport
-from .projection import FOLD_COLUMNS, fold_calls
-from .rows import CALL_COLUMNS, CHANGING_KINDS, EVENT_COLUMNS
-from .sqlite import indexes, schema
+from .. import verifying
+from ..chain import GENESIS, ChainCheck
+from ..events import VerifyReport
+from ..projection import FOLD_COLUMNS, fold_calls, folded_onto
+from ..rows import CALL_COLUMNS, CHANGING_KINDS, EVENT_COLUMNS
+from . import indexes, schema
+from .archives import archived_head, seeds
 
 __all__ = ["BY_CALL", "PARALLEL_FROM", "PATIENCE", "SAMPLES", "check_part", "child_said_ok", "index_problem",
            "start_part", "unindexed", "verify_snapshot"]
@@ -92,30 +93,24 @@ def verify_snapshot(conn: sqlite3.Connection, advance: Callable[[int], None] | N
     """The report of ``SQLiteJournal.verify`` in one pass over what ``conn`` sees (in a transaction of
     the caller's: a read snapshot, or a write not yet committed), holding one event and one call at
     a time (:func:`journal.verifying.verify_log`). A journal with archives has its log folded onto
-    the projection as of the last archive's head, holding the calls that log touches. Once the chain
-    has checked out, every index is checked against its table, before the projection is compared
-    with the log read through them (raises :class:`~journal.sqlite.indexes.DamagedIndex`, see there)."""
-    base = archive.sqlite_archived_head(conn)
-    if base[0]:
-        report = verifying.verify_rows(
-            conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
-            lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
-            start=base, archived=archive.SQLiteSnapshot(conn), advance=advance,
-        )
-        found = _indexes_problem(conn, base[0] + 1, base[0] + report.events) if report.ok else None
-        if found is None:
-            return report
-        return VerifyReport(ok=False, events=report.events, head=report.head, first_bad_seq=found[0],
-                            problem=found[1])
+    the projection as of the last archive's head (:func:`journal.sqlite.archives.seeds`). Once the
+    chain has checked out, every index is checked against its table, before the projection is
+    compared with the log read through them (raises :class:`~journal.sqlite.indexes.DamagedIndex`,
+    see there)."""
+    base = archived_head(conn)
 
     def indexed(check: ChainCheck) -> tuple[int | None, str] | None:
-        return _indexes_problem(conn, 1, check.last_seq)
+        return _indexes_problem(conn, base[0] + 1, check.last_seq)
+
+    def records() -> Iterable[Any]:
+        by_call = conn.execute(BY_CALL)
+        return folded_onto(seeds(conn, base[0]), by_call) if base[0] else fold_calls(by_call)
 
     return verifying.verify_log(
         conn.execute(f"SELECT {_EVENT_COLUMNS} FROM events ORDER BY seq"),
-        lambda: fold_calls(conn.execute(BY_CALL)),
+        records,
         lambda: conn.execute(f"SELECT {_CALL_COLUMNS} FROM calls ORDER BY call_id"),
-        between=indexed, advance=advance,
+        start=base, between=indexed, advance=advance,
     )
 
 
@@ -234,12 +229,12 @@ def start_part(path: Path, part: int, parts: int, head: int) -> subprocess.Popen
     or when this interpreter is not a ``python`` program (embedded in another one, say)."""
     if not os.path.basename(sys.executable or "").lower().startswith(("python", "pypy")):
         return None
-    package_root = str(Path(__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "journal.sqlite_verify", str(path), str(part), str(parts), str(head)],
+            [sys.executable, "-m", "journal.sqlite.verify", str(path), str(part), str(parts), str(head)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env,
         )
     except OSError:
@@ -270,7 +265,7 @@ def main(argv: list[str]) -> int:
         if len(argv) != 4 or not 0 <= part < parts:
             raise ValueError
     except (IndexError, ValueError):
-        sys.stderr.write("usage: python -m journal.sqlite_verify PATH PART PARTS HEAD\n")
+        sys.stderr.write("usage: python -m journal.sqlite.verify PATH PART PARTS HEAD\n")
         return 2
     sys.stdout.buffer.write(orjson.dumps({"ok": check_part(path, part, parts, head)}) + b"\n")
     return 0
