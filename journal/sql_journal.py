@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol, Self
 
-from guard.approvals import ApprovalRequest, ApprovalStep, T
-from guard.leases import OwnerState, Settle
+from guard.approvals import ApprovalRequest, ApprovalStep, ApprovalStore, T
+from guard.leases import LeaseStore, OwnerState, Settle
 from guard.reconcile import DEFAULT_CHECK_TIMEOUT, Check, ReconcileResult
-from guard.store import CallRecord, Decide, Decision, EffectEvent, EffectStore, RecentCalls
+from guard.store import AsyncOffload, CallRecord, Decide, Decision, EffectEvent, EffectStore, RecentCalls
 
 from .archive import ArchivedImporter, ArchivePlan, ArchiveReading, ArchiveRecord
 from .datastore import Datastore
@@ -81,7 +81,7 @@ class Approvals(Protocol):
     def approval_step(self, call_id: str, step: ApprovalStep[T]) -> T: ...
 
 
-class SQLJournal(ABC):
+class SQLJournal(ABC, LeaseStore, RecentCalls, AsyncOffload, ApprovalStore):
     """A journal made of a datastore and parts (see :mod:`journal.sql_journal`).
 
     :attr:`datastore` holds the connections and runs the transactions; :attr:`writes` makes the

@@ -21,16 +21,16 @@ from ..errors import unstorable
 from .datastore import Conn, PostgresDatastore
 from .deadline import DeadlineConnection
 from .heads import Head, Known, unique_at
-from .writes import APPROVALS_CHANNEL, Writes
+from .writes import APPROVALS_CHANNEL, Writer
 
 __all__ = ["Approvals"]
 
 
 class Approvals:
     """``approval_step`` and ``wait_for_decision``; the steps append as
-    ``begin``'s locked way does (through :class:`~journal.postgres.writes.Writes`)."""
+    ``begin``'s locked way does (through :class:`~journal.postgres.writes.Writer`)."""
 
-    def __init__(self, datastore: PostgresDatastore, known: Known, writes: Writes) -> None:
+    def __init__(self, datastore: PostgresDatastore, known: Known, writes: Writer) -> None:
         self.name = datastore.name
         self._datastore = datastore
         self._known = known

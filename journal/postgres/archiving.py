@@ -24,7 +24,7 @@ from ..rows import CALL_COLUMNS, EVENT_COLUMNS
 from .datastore import Conn, PostgresDatastore
 from .sql import _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
 
-__all__ = ["SNAPSHOT_BY_CALL", "Archives", "archived_head", "commit"]
+__all__ = ["SNAPSHOT_BY_CALL", "Archiver", "archived_head", "commit"]
 
 # Every archive recorded, oldest first, as journal.archive reads them. PostgreSQL removes an
 # archive's events in one transaction, so it records no upto_seq: an archive is finished when recorded.
@@ -99,7 +99,7 @@ def commit(conn: Conn, plan: ArchivePlan, file: str, archived_at: str) -> int:
     return removed
 
 
-class Archives:
+class Archiver:
     """Where the log starts, what the archives kept (:class:`~journal.archive.ArchiveReading`),
     the transaction that removes archived events, and the copy of an archived journal into this
     one (:class:`~journal.archive.ArchivedImporter`), checked by ``verified`` (verify, in the

@@ -25,7 +25,7 @@ from .archiving import SNAPSHOT_BY_CALL, archived_head
 from .datastore import Conn, PostgresDatastore
 from .sql import _BATCH, _BY_CALL, _CALL_SELECT, _EVENT_SELECT, _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
 
-__all__ = ["Checking"]
+__all__ = ["Checker"]
 
 _COPY_EVENTS = f"COPY events ({', '.join(EVENT_COLUMNS)}) FROM STDIN".encode()
 
@@ -45,7 +45,7 @@ def _seeds(conn: Conn) -> Iterator[tuple[Any, ...]]:
         yield kept_row(call_id, record)
 
 
-class Checking:
+class Checker:
     """Verify, rebuild and import."""
 
     def __init__(self, datastore: PostgresDatastore) -> None:

@@ -11,7 +11,7 @@ from ..errors import JournalError, JournalNotFound, NewerSchema, NotAJournal
 from . import schema as pg_schema
 from .datastore import Conn, PostgresDatastore, log
 
-__all__ = ["Opened", "Opening"]
+__all__ = ["Opened", "Opener"]
 
 # The server encodings that store the UTF-8 the journal sends unchanged.
 _SERVER_ENCODINGS = frozenset({"UTF8", "SQL_ASCII"})
@@ -24,7 +24,7 @@ class Opened(NamedTuple):
     head_seq: int
 
 
-class Opening:
+class Opener:
     """What a schema holds, checked before anything is written; the journal made or migrated when allowed."""
 
     def __init__(self, datastore: PostgresDatastore) -> None:

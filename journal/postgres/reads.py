@@ -7,10 +7,10 @@ from ..chain import GENESIS
 from ..reading import LogReader
 from .datastore import PostgresDatastore
 
-__all__ = ["Reads"]
+__all__ = ["Reader"]
 
 
-class Reads(LogReader):
+class Reader(LogReader):
     """:class:`~journal.reading.LogReader` on the journal's datastore, and the chain head, which
     PostgreSQL keeps in a row of its own."""
 

@@ -30,7 +30,7 @@ APPLICATION = "airlock-journal"
 TABLES = ("airlock_journal_meta", "events", "calls", "chain_head", "leases", "archives", "calls_archived", "approvals",
           "approvals_archived")
 
-# What takes a journal away again (see Opening.remove_if_empty): its tables, and the functions
+# What takes a journal away again (see Opener.remove_if_empty): its tables, and the functions
 # that are not dropped with them.
 REMOVE = (
     f"DROP TABLE IF EXISTS {', '.join(TABLES)} CASCADE",

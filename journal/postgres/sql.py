@@ -63,7 +63,7 @@ _CHANGING = f"kind IN {CHANGING_KINDS}"  # the kinds that move a call's record
 
 # What a compare-and-set requires of the call, besides the head: nothing (the call this object
 # wrote last, whose record an unmoved head leaves as it was); "absent", no record; "written", the
-# record this object wrote earlier (see Writes._written_record); "released", a released record
+# record this object wrote earlier (see Known.written in heads.py); "released", a released record
 # read by a compare-and-set that failed, which the log must bear out.
 CasCheck = Literal["", "absent", "written", "released"]
 
@@ -128,7 +128,7 @@ _APPEND_AND_PROJECT = f"WITH event AS ({_INSERT_EVENT}), call AS ({_UPSERT_CALL}
 # next flush (a lost outcome leaves the call pending: a replay is then refused, never re-run).
 # The WAL is written in order, so only a tail of such events can be lost: never a hole in the chain.
 _RELAXED = b"SET LOCAL synchronous_commit = off"
-# Whether the log has an event of a call that changes its record (see Writes._lock_and_read).
+# Whether the log has an event of a call that changes its record (see Writer.lock_and_read).
 _LOGGED = (f"SELECT 1 FROM events WHERE call_id = %s AND {_CHANGING} "
            "LIMIT 1")
 # The log by call id (ids in binary order, as the projection is read), each call's events together.

@@ -1,12 +1,12 @@
 """The PostgreSQL journal: one object that threads share, and the parts it is made of.
 
 :class:`PostgresJournal` builds one :class:`~journal.postgres.datastore.PostgresDatastore` (the
-connections and transactions) and hands it to each part: :class:`~journal.postgres.opening.Opening`
+connections and transactions) and hands it to each part: :class:`~journal.postgres.opening.Opener`
 (the schema, checked or made), :class:`~journal.postgres.leases.Leases`,
-:class:`~journal.postgres.writes.Writes` (the guard's appends), :class:`~journal.postgres.reads.Reads`
+:class:`~journal.postgres.writes.Writer` (the guard's appends), :class:`~journal.postgres.reads.Reader`
 (the shared :class:`~journal.reading.LogReader`, and the head),
-:class:`~journal.postgres.checking.Checking` (verify, rebuild, import),
-:class:`~journal.postgres.archiving.Archives` and :class:`~journal.postgres.approving.Approvals`.
+:class:`~journal.postgres.checking.Checker` (verify, rebuild, import),
+:class:`~journal.postgres.archiving.Archiver` and :class:`~journal.postgres.approving.Approvals`.
 The writes and the approvals share what this object's own writes tell it of the log
 (:class:`~journal.postgres.heads.Known`). :class:`~journal.sql_journal.SQLJournal`, the base both
 SQL journals share, hands each call to its part; this class adds only what is PostgreSQL's own.
@@ -19,15 +19,15 @@ from guard.store import EffectEvent
 from ..events import JournalEvent
 from ..sql_journal import SQLJournal
 from .approving import Approvals
-from .archiving import Archives
-from .checking import Checking
+from .archiving import Archiver
+from .checking import Checker
 from .datastore import PostgresDatastore
 from .heads import Known
 from .leases import Leases
-from .opening import Opening
-from .reads import Reads
+from .opening import Opener
+from .reads import Reader
 from .server_append import _APPEND_FN
-from .writes import Writes
+from .writes import Writer
 
 __all__ = ["PostgresJournal"]
 
@@ -57,7 +57,7 @@ class PostgresJournal(SQLJournal):
     """
 
     datastore: PostgresDatastore
-    writes: Writes
+    writes: Writer
 
     #: Whether ``async def`` tools make this journal's writes on a thread of their own, so that the
     #: loop runs on while a write waits for the server (set it false to keep them on the loop).
@@ -83,14 +83,14 @@ class PostgresJournal(SQLJournal):
         datastore = PostgresDatastore(dsn, busy_timeout=busy_timeout, connect_timeout=connect_timeout,
                                       timeout=float(timeout), pool_size=pool_size, readonly=readonly,
                                       session_setup=_APPEND_FN)
-        self._opening = opening = Opening(datastore)
+        self._opening = opening = Opener(datastore)
         opened = opening.open(create=create and not readonly)
         known = Known(opened.head_seq)
         datastore.when_lost(known.forget)
         leases = Leases(datastore)
-        writes = Writes(datastore, known, leases)
-        checking = Checking(datastore)
-        self._reader = reads = Reads(datastore)
+        writes = Writer(datastore, known, leases)
+        checking = Checker(datastore)
+        self._reader = reads = Reader(datastore)
         self._approving = approvals = Approvals(datastore, known, writes)
         self.dsn = dsn
         self.name = datastore.name
@@ -102,7 +102,7 @@ class PostgresJournal(SQLJournal):
         self.schema = opened.schema
         datastore.start(opened.schema)
         super().__init__(datastore, reads=reads, writes=writes, leases=leases, checks=checking,
-                         archives=Archives(datastore, checking.verify_in), approvals=approvals)
+                         archives=Archiver(datastore, checking.verify_in), approvals=approvals)
 
     def append_event(self, event: EffectEvent) -> JournalEvent:
         """:meth:`append`, returning the event as stored (with its ``seq`` and ``hash``)."""

@@ -46,7 +46,7 @@ from .sql import (
     CasCheck,
 )
 
-__all__ = ["APPROVALS_CHANNEL", "Writes"]
+__all__ = ["APPROVALS_CHANNEL", "Writer"]
 
 _NO_RECORD_NEEDED = frozenset({"refused", "replayed"})  # they never change a call's record
 
@@ -65,7 +65,7 @@ def _check_of(record: CallRecord | None) -> CasCheck:
     return "released" if record.status == "released" else ""
 
 
-class Writes:
+class Writer:
     """The :class:`~guard.store.EffectStore` protocol (``begin``, ``append``, ``get``), the guard's
     lookup of a recent call, and the one write that settling and resolving make
     (:meth:`append_chosen`).
@@ -85,7 +85,7 @@ class Writes:
         self._single_statement = datastore.single_statement
         self._check_writable = datastore.check_writable
         self._decoded = datastore.decoded
-        #: Writes still to make without the compare-and-set (by the server-side append, or the head
+        #: Writer still to make without the compare-and-set (by the server-side append, or the head
         #: locked): set after a write finds that another writer moved the head, and counted down by
         #: each write. Set it high to make every write the contended way, as under contention.
         self.skip_cas = 0

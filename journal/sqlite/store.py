@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from guard.store import Decide, Decision, EffectEvent
+from guard.store import Decide, Decision, EffectEvent, LeasesInBegin
 
 from ..archive import ArchivePlan
 from ..events import VerifyReport
@@ -31,7 +31,7 @@ from .writes import Writer
 __all__ = ["SQLiteJournal"]
 
 
-class SQLiteJournal(SQLJournal):
+class SQLiteJournal(SQLJournal, LeasesInBegin):
     """An :class:`~guard.store.EffectStore` on a SQLite file, with the operator's reads and repairs.
 
     Args:
