@@ -124,7 +124,13 @@ def copy_from(
     if on_total is not None:
         on_total(last_seq - start)
     made = not _exists(destination)
-    with open_journal(destination, create=True) as dst:
+    try:
+        opened = open_journal(destination, create=True)
+    except BaseException:
+        if made:
+            _remove_made(destination)
+        raise
+    with opened as dst:
         # The destination is checked inside the import's transaction: refused, it is rolled back.
 
         def check(copied: VerifyReport) -> None:
@@ -147,6 +153,13 @@ def copy_from(
                     dst.remove_if_empty()
             raise
     return CopyReport(events=last_seq - start, calls=calls, head=head, archived=start)
+
+
+def _remove_made(destination: str) -> None:
+    """Take away what a destination that failed to open left behind (an empty journal made before
+    the failure). Best effort: the open's own error is what is raised."""
+    with contextlib.suppress(JournalError), open_journal(destination, create=False) as made:
+        made.remove_if_empty()
 
 
 def _archived_head(src: Journal) -> int:
