@@ -65,10 +65,9 @@ def archived_start(journal: Journal, checkpoint: Mapping[str, Any]) -> int | Non
     """The ``seq`` of the last event ``journal`` has archived (let go of into an archive file),
     when the checkpoint's ``seq`` is one of them: the journal alone cannot check it; None otherwise."""
     seq = checkpoint["seq"]
-    archived_head = getattr(journal, "archived_head", None)
-    if not seq or archived_head is None:
+    if not seq:
         return None
-    start = int(archived_head()[0])
+    start = int(journal.archived_head()[0])
     return start if seq <= start else None
 
 
