@@ -116,7 +116,7 @@ def copy_from(
     checked = src.verify()
     if not checked.ok:
         raise JournalError(
-            f"the source {_name(src)} does not verify (seq {checked.first_bad_seq}: {checked.problem}); "
+            f"the source {src.label()} does not verify (seq {checked.first_bad_seq}: {checked.problem}); "
             "it was not copied"
         )
     last_seq, head = src.head()
@@ -136,7 +136,7 @@ def copy_from(
         def check(copied: VerifyReport) -> None:
             if not copied.ok or (copied.events, copied.head) != (last_seq - start, head):
                 raise JournalError(
-                    f"the copy in {_name(dst)} does not verify: {copied.problem or 'its head differs'}"
+                    f"the copy in {dst.label()} does not verify: {copied.problem or 'its head differs'}"
                     "; it was rolled back, and the destination left as it was"
                 )
 
@@ -191,7 +191,7 @@ def _import_archived(src: Journal, dst: Journal, last_seq: int,
     touched: dict[str, tuple[Any, ...]] = {}  # the archived rows of the calls the rest of the log moves
     start = _archived_head(src)
     if not records or records[-1].last_seq != start:
-        raise JournalError(f"the source {_name(src)} records no archive ending at seq {start}, where its log starts; "
+        raise JournalError(f"the source {src.label()} records no archive ending at seq {start}, where its log starts; "
                            "run verify")
 
     def rows() -> Iterator[tuple[Any, ...]]:
@@ -211,9 +211,3 @@ def _import_archived(src: Journal, dst: Journal, last_seq: int,
                 progress(1)
 
     return dst.import_archived(records, snapshot, touched, requests, rows(), folded, check)
-
-
-def _name(journal: Journal) -> str:
-    """The journal for a message: a SQLite file's path, a PostgreSQL journal's URL without its password."""
-    name = getattr(journal, "name", None)  # a PostgreSQL journal's; a SQLite journal is named by its path
-    return name if isinstance(name, str) else str(getattr(journal, "path", journal))

@@ -219,6 +219,11 @@ class Journal(EffectStore, LeaseStore, ArchiveStore, ArchiveReading, ArchivedImp
 
     # -- lifetime ------------------------------------------------------------------------------
 
+    def label(self) -> str:
+        """How messages name the journal: a SQLite file's path, a PostgreSQL journal's URL without
+        its password."""
+        ...
+
     def close(self) -> None:
         """Close the journal; it cannot be used afterwards. Closing twice is harmless."""
         ...

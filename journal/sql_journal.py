@@ -360,6 +360,11 @@ class SQLJournal(ABC, LeaseStore, RecentCalls, AsyncOffload, ApprovalStore):
     def remove_if_empty(self) -> bool:
         """See :meth:`journal.protocol.Removable.remove_if_empty`."""
 
+    def label(self) -> str:
+        """How messages name the journal: a SQLite file's path, a PostgreSQL journal's URL without
+        its password."""
+        return self.datastore.label()
+
     def close(self) -> None:
         """Close the journal's connections; it cannot be used afterwards. Closing twice is harmless."""
         self.datastore.close()
