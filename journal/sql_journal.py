@@ -100,7 +100,6 @@ class SQLJournal(ABC, LeaseStore, RecentCalls, AsyncOffload, ApprovalStore):
         self._approvals = approvals
         self._resolver = resolver = Resolver(writes.append_chosen, datastore.label(), datastore.dialect.nul,
                                              writes.get, leases.owner_states)
-        self._reconciler = Reconciler(self)
         # The guard's calls go straight to the part that makes them, as its bound methods: no frame
         # of this class on their way (the methods below are what the class itself shows).
         vars(self).update(begin=writes.begin, append=writes.append, get=writes.get, take_lease=leases.take_lease,
@@ -185,7 +184,7 @@ class SQLJournal(ABC, LeaseStore, RecentCalls, AsyncOffload, ApprovalStore):
         timeout: float = DEFAULT_CHECK_TIMEOUT,
     ) -> list[ReconcileResult]:
         """See :meth:`journal.reconcile.Reconciler.reconcile`."""
-        return self._reconciler.reconcile(checks, tool=tool, older_than=older_than, dry_run=dry_run,
+        return Reconciler(self).reconcile(checks, tool=tool, older_than=older_than, dry_run=dry_run,
                                           timeout=timeout)
 
     # -- requests for approval -------------------------------------------------------------------

@@ -9,6 +9,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -97,7 +98,9 @@ class GroupCommit:
     _wal_fd: int | None  # the WAL's descriptor, kept open between fsyncs
 
     def __init__(self, datastore: SQLiteDatastore) -> None:
-        self._datastore = datastore
+        # Weakly: the datastore holds this object, and a journal nobody closed is freed (and its
+        # connection closed) as soon as its last reference goes, without waiting for the collector.
+        self._datastore: SQLiteDatastore = weakref.proxy(datastore)
         self._lock = datastore.lock  # the datastore's, taken again after a fork (see forked)
         self._requests: collections.deque[_Request] = collections.deque()  # writes waiting for the lock
         self._counted = 0  # the last transaction counted in _written

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from guard.store import Decide, Decision, EffectEvent, LeasesInBegin
 
@@ -75,16 +76,31 @@ class SQLiteJournal(SQLJournal, LeasesInBegin):
         if str(path) == ":memory:" or str(path).startswith("file:"):
             raise ValueError(f"SQLiteJournal takes the path of a file, not {str(path)!r}")
         datastore = SQLiteDatastore(path, durability, busy_timeout, readonly=readonly, create=create)
-        self.path = datastore.path
-        self.durability: Durability = durability
-        self.busy_timeout = datastore.busy_timeout
-        self.readonly = readonly
         writer = Writer(datastore)
         self._reader = reader = Reader(datastore)
         self._checker = checker = Checker(datastore)
         self._archiver = archiver = Archiver(datastore, checker.verified_log)
         super().__init__(datastore, reads=reader, writes=writer, leases=writer, checks=checker, archives=archiver,
                          approvals=Approvals(datastore, writer))
+
+    # What it was opened with: fixed for the journal's life (its parts were made with them).
+
+    @property
+    def path(self) -> Path:
+        """The journal file, as given."""
+        return self.datastore.path
+
+    @property
+    def durability(self) -> Durability:
+        return self.datastore.durability
+
+    @property
+    def busy_timeout(self) -> float:
+        return self.datastore.busy_timeout
+
+    @property
+    def readonly(self) -> bool:
+        return self.datastore.readonly
 
     # -- the guard's EffectStore, a call's lease taken and dropped in its transactions ------------
 
