@@ -16,7 +16,6 @@ keeps every call's row, so that a retry of an archived call is still replayed or
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from guard.store import CallRecord
 from . import archive
 from .errors import JournalError, JournalNotFound
 from .events import JournalEvent, VerifyReport
-from .open import open_journal
+from .open import open_journal, remove_made
 from .projection import fold_row
 from .protocol import EventImporter, Journal
 
@@ -125,41 +124,25 @@ def copy_from(
         on_total(last_seq - start)
     made = not _exists(destination)
     try:
-        opened = open_journal(destination, create=True)
-    except BaseException:
-        if made:
-            _remove_made(destination)
-        raise
-    with opened as dst:
-        # The destination is checked inside the import's transaction: refused, it is rolled back.
+        with open_journal(destination, create=True) as dst:
+            # The destination is checked inside the import's transaction: refused, it is rolled back.
 
-        def check(copied: VerifyReport) -> None:
-            if not copied.ok or (copied.events, copied.head) != (last_seq - start, head):
-                raise JournalError(
-                    f"the copy in {dst.label()} does not verify: {copied.problem or 'its head differs'}"
-                    "; it was rolled back, and the destination left as it was"
-                )
+            def check(copied: VerifyReport) -> None:
+                if not copied.ok or (copied.events, copied.head) != (last_seq - start, head):
+                    raise JournalError(
+                        f"the copy in {dst.label()} does not verify: {copied.problem or 'its head differs'}"
+                        "; it was rolled back, and the destination left as it was"
+                    )
 
-        try:
             if start:
                 calls = _import_archived(src, dst, last_seq, progress, check)
             else:
                 calls = import_events(dst, _bounded(src.events(), last_seq, progress), check)
-        except BaseException:
-            if made:
-                # A failed copy leaves nothing behind, not even an empty journal. Best effort: the
-                # copy's own error is what is raised.
-                with contextlib.suppress(JournalError):
-                    dst.remove_if_empty()
-            raise
+    except BaseException:
+        if made:
+            remove_made(destination)  # a failed copy leaves nothing behind, not even an empty journal
+        raise
     return CopyReport(events=last_seq - start, calls=calls, head=head, archived=start)
-
-
-def _remove_made(destination: str) -> None:
-    """Take away what a destination that failed to open left behind (an empty journal made before
-    the failure). Best effort: the open's own error is what is raised."""
-    with contextlib.suppress(JournalError), open_journal(destination, create=False) as made:
-        made.remove_if_empty()
 
 
 def _archived_head(src: Journal) -> int:

@@ -33,7 +33,7 @@ from ..errors import (
 from . import damage, forks, schema
 from .group_commit import GroupCommit, held
 
-__all__ = ["DIALECT", "FULL", "NORMAL", "Durability", "SQLiteDatastore"]
+__all__ = ["DIALECT", "FULL", "NORMAL", "Durability", "SQLiteDatastore", "remove_files"]
 
 T = TypeVar("T")
 Durability = Literal["full", "process"]
@@ -55,6 +55,15 @@ def _settle(conn: sqlite3.Connection) -> None:
     left open on ``conn``, holding the file's write lock, before the connection is used again."""
     if conn.in_transaction:
         conn.execute("ROLLBACK")
+
+def remove_files(path: str | os.PathLike[str], *, keep_journal: bool = False) -> None:
+    """Remove a journal file (unless ``keep_journal``: it is gone already) and the files SQLite keeps
+    beside it, those that are there. Best effort: what cannot be removed stays."""
+    names = [f"{path}-wal", f"{path}-shm", f"{path}-journal"]
+    for name in names if keep_journal else [os.fspath(path), *names]:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+
 
 def _busy(e: sqlite3.Error) -> bool:
     return (getattr(e, "sqlite_errorcode", 0) & 0xFF) in _BUSY_CODES
@@ -160,9 +169,7 @@ class SQLiteDatastore:
                 os.unlink(self.file)
             except OSError as e:
                 raise JournalError(f"Cannot remove the journal {self.path}: {e.strerror}.") from e
-            for name in (self.wal_path, f"{self.file}-shm", f"{self.file}-journal"):
-                with contextlib.suppress(OSError):
-                    os.unlink(name)
+            remove_files(self.file, keep_journal=True)
             return True
 
     def _remove_side_files(self, inode: int) -> None:

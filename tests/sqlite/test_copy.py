@@ -74,3 +74,18 @@ def test_a_copy_that_does_not_verify_leaves_the_sqlite_destination_as_it_was(sou
     assert result.stderr.startswith("Error: the copy in ") and "does not verify" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert _files(destination.parent) == before
+
+
+def test_a_destination_that_fails_while_it_is_made_is_taken_away(
+        source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from journal.sqlite import schema
+
+    def fail(conn: sqlite3.Connection, version: int) -> None:
+        raise sqlite3.OperationalError("disk I/O error")  # as a disk that fails while the tables are made
+
+    destination = tmp_path / "dst" / "copy.db"
+    destination.parent.mkdir()
+    monkeypatch.setattr(schema, "migrate", fail)
+    with pytest.raises(JournalError):
+        copy_journal(str(source), str(destination))
+    assert _files(destination.parent) == {}  # not the file the open made, nor SQLite's beside it
