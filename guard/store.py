@@ -320,7 +320,7 @@ class LeasesInBegin(EffectStore, Protocol):
     none otherwise). ``append(..., drop_lease=holder)`` drops that lease in the transaction of the
     outcome. Without either argument they are :class:`EffectStore`'s. ``leases_in_begin`` is True
     when the store does so (a store may turn it off); the guard uses it only with a ``lease``, on a
-    store that is a :class:`~guard.leases.LeaseStore` too.
+    store that is a :class:`~guard.leases.LeaseStore` too, and reads it once, when the guard is made.
     """
 
     leases_in_begin: bool
