@@ -178,9 +178,13 @@ def _keep_as_of(conn: sqlite3.Connection, base_seq: int, last_seq: int) -> None:
 # The projection as of the start of the log, in call id order: each kept copy, and each row
 # from before the start that has none (nothing moved it since). A row of call_id, the kept
 # record (NULL for a row of its own), and the rest of the row's columns.
-_SEEDS = (f"SELECT call_id, record, {', '.join(['NULL'] * (len(CALL_COLUMNS) - 1))} FROM calls_archived "
+# The placeholders of the first SELECT are named as the columns, since a message about a row
+# that cannot be read names its column by them. A row without a call id is left to rebuild to
+# take away: no log makes one, and the fold has no place for it.
+_SEEDS = (f"SELECT call_id, record, {', '.join(f'NULL AS {c}' for c in CALL_COLUMNS[1:])} FROM calls_archived "
           f"UNION ALL SELECT c.call_id, NULL, {', '.join(f'c.{c}' for c in CALL_COLUMNS[1:])} FROM calls c "
-          "WHERE c.last_seq <= ? AND NOT EXISTS (SELECT 1 FROM calls_archived a WHERE a.call_id = c.call_id) "
+          "WHERE c.last_seq <= ? AND c.call_id IS NOT NULL "
+          "AND NOT EXISTS (SELECT 1 FROM calls_archived a WHERE a.call_id = c.call_id) "
           "ORDER BY 1")
 
 
