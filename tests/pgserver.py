@@ -19,6 +19,7 @@ import itertools
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -293,6 +294,45 @@ def server_down(srv: PgServer, mode: str = "fast") -> Iterator[None]:
         yield
     finally:
         srv.start()
+
+
+def own_cluster() -> PgServer:
+    """A cluster of the calling test's own, which it may stop, freeze or limit (the session's never
+    is); skipped without PostgreSQL, a failure under CI. The caller destroys it."""
+    try:
+        return _start_managed()
+    except PgUnavailable as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is required under CI: {e}", pytrace=False)
+        pytest.skip(f"no PostgreSQL server: {e}")
+
+
+def server_pids(srv: PgServer) -> list[int]:
+    """The postmaster, then every process it started (its backends and workers)."""
+    postmaster = int((srv.datadir / "postmaster.pid").read_text().split()[0])
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == postmaster:
+                    children.append(int(entry))
+    return [postmaster, *children]
+
+
+@contextlib.contextmanager
+def frozen(srv: PgServer) -> Iterator[None]:
+    """The whole server stopped by SIGSTOP for the ``with`` block, resumed by SIGCONT whatever happens."""
+    pids = server_pids(srv)
+    assert len(pids) > 3, pids
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 @pytest.fixture(scope="session")

@@ -10,10 +10,7 @@ the freeze reaches no other test.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -22,54 +19,12 @@ import pytest
 from guard import Airlock, AirlockContext, SecurityPolicy, is_refusal
 from guard.effect_guard import EffectGuard
 from journal.postgres import PostgresJournal
-from tests.pgserver import PgServer, PgUnavailable, _start_managed, fresh_database
+from tests.pgserver import PgServer, fresh_database, frozen
 
 pytestmark = pytest.mark.postgres
 
 # Only a test gone wrong waits this long: the frozen call is to end within seconds.
 PATIENCE = 300.0
-
-
-@pytest.fixture(scope="module")
-def own_server() -> Iterator[PgServer]:
-    try:
-        srv = _start_managed()
-    except PgUnavailable as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL is required under CI: {e}", pytrace=False)
-        pytest.skip(f"no PostgreSQL server: {e}")
-    try:
-        yield srv
-    finally:
-        srv.destroy()
-
-
-def server_pids(srv: PgServer) -> list[int]:
-    """The postmaster, then every process it started (its backends and workers)."""
-    postmaster = int((srv.datadir / "postmaster.pid").read_text().split()[0])
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                stat = open(f"/proc/{entry}/stat").read()  # noqa: SIM115
-                if int(stat.rsplit(")", 1)[1].split()[1]) == postmaster:
-                    children.append(int(entry))
-    return [postmaster, *children]
-
-
-@contextlib.contextmanager
-def frozen(srv: PgServer) -> Iterator[None]:
-    """The whole server stopped by SIGSTOP for the ``with`` block, resumed by SIGCONT whatever happens."""
-    pids = server_pids(srv)
-    assert len(pids) > 3, pids
-    try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
 
 
 def in_thread(call: Any) -> tuple[threading.Thread, dict[str, Any]]:

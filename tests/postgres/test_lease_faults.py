@@ -32,7 +32,7 @@ import pytest
 
 from journal import open_journal
 from tests.cli_support import invoke
-from tests.pgserver import PgServer, PgUnavailable, _start_managed, fresh_database, fresh_schema
+from tests.pgserver import PgServer, fresh_database, fresh_schema, frozen, own_cluster
 
 pytestmark = pytest.mark.postgres
 
@@ -175,26 +175,7 @@ MANY = textwrap.dedent('''
 ''')
 
 
-# -- servers of this module's own ----------------------------------------------------------------
-
-
-def own_cluster() -> PgServer:
-    """A cluster of the test's own (the session's is never stopped, frozen or limited here)."""
-    try:
-        return _start_managed()
-    except PgUnavailable as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL is required under CI: {e}", pytrace=False)
-        pytest.skip(f"no PostgreSQL server: {e}")
-
-
-@pytest.fixture(scope="module")
-def own_server() -> Iterator[PgServer]:
-    srv = own_cluster()
-    try:
-        yield srv
-    finally:
-        srv.destroy()
+# -- a server that takes few sessions ---------------------------------------------------------------
 
 
 MAX_CONNECTIONS = 12
@@ -213,34 +194,6 @@ def limited_server() -> Iterator[PgServer]:
         yield srv
     finally:
         srv.destroy()
-
-
-def server_pids(srv: PgServer) -> list[int]:
-    """The postmaster, then every process it started (its backends and workers)."""
-    postmaster = int((srv.datadir / "postmaster.pid").read_text().split()[0])
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == postmaster:
-                    children.append(int(entry))
-    return [postmaster, *children]
-
-
-@contextlib.contextmanager
-def frozen(srv: PgServer) -> Iterator[None]:
-    """The whole server stopped by SIGSTOP for the ``with`` block, resumed by SIGCONT whatever happens."""
-    pids = server_pids(srv)
-    assert len(pids) > 3, pids
-    try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
 
 
 # -- processes ------------------------------------------------------------------------------------
