@@ -92,17 +92,46 @@ class PostgresJournal(SQLJournal):
         checking = Checker(datastore)
         self._reader = reads = Reader(datastore)
         self._approving = approvals = Approvals(datastore, known, writes)
-        self.dsn = dsn
-        self.name = datastore.name
-        self.readonly = readonly
-        self.busy_timeout = busy_timeout
-        self.connect_timeout = connect_timeout
-        self.timeout = datastore.timeout
-        self.pool_size = pool_size
-        self.schema = opened.schema
         datastore.start(opened.schema)
         super().__init__(datastore, reads=reads, writes=writes, leases=leases, checks=checking,
                          archives=Archiver(datastore, checking.verify_in), approvals=approvals)
+
+    # What it was opened with: fixed for the journal's life (its parts were made with them).
+
+    @property
+    def dsn(self) -> str:
+        """The libpq URL or key=value string it was opened with."""
+        return self.datastore.dsn
+
+    @property
+    def name(self) -> str:
+        """The journal for messages: its URL without the password."""
+        return self.datastore.name
+
+    @property
+    def readonly(self) -> bool:
+        return self.datastore.readonly
+
+    @property
+    def busy_timeout(self) -> float:
+        return self.datastore.busy_timeout
+
+    @property
+    def connect_timeout(self) -> float:
+        return self.datastore.connect_timeout
+
+    @property
+    def timeout(self) -> float:
+        return self.datastore.timeout
+
+    @property
+    def pool_size(self) -> int:
+        return self.datastore.pool_size
+
+    @property
+    def schema(self) -> str:
+        """The schema its tables are in."""
+        return self.datastore.schema
 
     def append_event(self, event: EffectEvent) -> JournalEvent:
         """:meth:`append`, returning the event as stored (with its ``seq`` and ``hash``)."""
