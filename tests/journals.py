@@ -125,7 +125,9 @@ class PostgresDatabase:
         import psycopg
 
         with psycopg.connect(self.target) as conn:
+            # The head's row and the inbox, as rebuild, archive and copy hold them: appends wait.
             conn.execute("SELECT seq FROM chain_head WHERE id = 1 FOR UPDATE")
+            conn.execute("LOCK TABLE inbox IN EXCLUSIVE MODE")
             yield
             conn.rollback()
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pytest
@@ -326,8 +327,11 @@ def frozen(srv: PgServer) -> Iterator[None]:
     pids = server_pids(srv)
     assert len(pids) > 3, pids
     try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+        os.kill(pids[0], signal.SIGSTOP)  # the postmaster first: no process starts after it stops
+        pids = server_pids(srv)  # listed again: a backend listed before may have ended since
+        for pid in pids[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
         yield
     finally:
         for pid in pids:
@@ -352,3 +356,30 @@ def _pg_shutdown() -> Iterator[None]:
 def pg_dsn(pg_server: PgServer) -> str:
     """The DSN of a fresh, empty database for one test."""
     return fresh_database(pg_server)
+
+
+def make_old_journal(dsn: str, version: int, events: list[Any]) -> None:
+    """In the (empty) schema of ``dsn``: a journal as version ``version`` of the library made it,
+    holding the stored ``events`` (a real log, in ``seq`` order) and their projection."""
+    import psycopg
+
+    from journal.postgres import schema as pg_schema
+    from journal.projection import fold
+    from journal.rows import CALL_COLUMNS, EVENT_COLUMNS, call_row, event_row
+
+    with psycopg.connect(dsn) as conn:
+        for step in range(1, version + 1):
+            for statement in pg_schema.MIGRATIONS[step]:
+                conn.execute(statement.encode())
+        conn.execute(b"INSERT INTO airlock_journal_meta (id, application, schema_version) VALUES (1, %s, %s)",
+                     (pg_schema.APPLICATION, version))
+        with conn.cursor() as cur:
+            cur.executemany(f"INSERT INTO events ({', '.join(EVENT_COLUMNS)}) "
+                            f"VALUES ({', '.join(['%s'] * len(EVENT_COLUMNS))})".encode(),
+                            [event_row(e) for e in events])
+            cur.executemany(f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) "
+                            f"VALUES ({', '.join(['%s'] * len(CALL_COLUMNS))})".encode(),
+                            [call_row(r) for r in fold(events).values()])
+        if events:
+            conn.execute(b"UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1",
+                         (events[-1].seq, events[-1].hash))

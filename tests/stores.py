@@ -35,13 +35,15 @@ def postgres_store(tmp_path: Path) -> Any:
 
 def contended(journal: Any) -> Any:
     """``journal`` (a PostgreSQL one) with every write made the way it is while other replicas
-    write too: by the server-side append, from the record this object last wrote, which another
-    object's writes may have made stale. Raises ``AttributeError`` for a journal without that way,
-    rather than leave its writes as they were."""
+    write too: its event waits in the inbox for another session's seal, the call's projection row
+    naming it until then. Raises ``AttributeError`` for a journal without that way, rather than
+    leave its writes as they were."""
+    from journal.postgres.writes import QUEUE
+
     writes = journal.writes
-    if not hasattr(writes, "skip_cas"):
-        raise AttributeError(f"{journal!r} has no contended way to write (no writes.skip_cas)")
-    writes.skip_cas = 10**9
+    if not hasattr(writes, "seal_mode"):
+        raise AttributeError(f"{journal!r} has no contended way to write (no writes.seal_mode)")
+    writes.seal_mode = QUEUE
     return journal
 
 

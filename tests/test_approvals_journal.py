@@ -630,12 +630,11 @@ def test_a_postgres_journal_of_the_previous_version_is_migrated(tmp_path: Path,
 
     from journal.postgres import PostgresJournal
     from journal.postgres import schema as pg_schema
-    from tests.pgserver import fresh_schema
+    from tests.pgserver import fresh_schema, make_old_journal
 
     dsn = fresh_schema()
     latest = pg_schema.SCHEMA_VERSION
-    monkeypatch.setattr(pg_schema, "SCHEMA_VERSION", latest - 1)
-    with PostgresJournal(dsn) as old:
+    with SQLiteJournal(tmp_path / "old.db") as old:  # a log as version 4 held it: before the requests
         plain = SecurityPolicy(effect_guard=EffectGuard(store=old))
 
         @Airlock(policy=plain)
@@ -645,7 +644,7 @@ def test_a_postgres_journal_of_the_previous_version_is_migrated(tmp_path: Path,
         with AirlockContext(metadata={"tool_call_id": "r1"}):
             assert refund(5) == 5
         head = old.head()
-    monkeypatch.undo()
+        make_old_journal(dsn, 4, list(old.events()))
     with pytest.raises(JournalError, match="open it writable once"):
         PostgresJournal(dsn, readonly=True)
     with PostgresJournal(dsn) as journal:

@@ -276,7 +276,8 @@ def test_the_loop_runs_while_a_postgres_begin_waits_for_the_chain_head() -> None
 
             def run() -> None:
                 with psycopg.connect(dsn) as conn:
-                    conn.execute("SELECT * FROM chain_head FOR UPDATE")
+                    # Another replica's open write of the call: it holds the call's lock.
+                    conn.execute("SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext('p1'))")
                     held.set()
                     time.sleep(HOLD)
                     conn.rollback()

@@ -205,7 +205,8 @@ def test_postgres_a_head_lock_held_past_the_deadline_refuses_store_unavailable(
         assert call(pay, "call_0", "acct_1", 1) == {"paid": 1}
         before = journal.count_events()
         with psycopg.connect(dsn) as holder:
-            holder.execute("SELECT seq FROM chain_head FOR UPDATE")  # another replica's open write
+            # Another replica's open write of the call: it holds the call's lock.
+            holder.execute("SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext('call_1'))")
             refusal = call(pay, "call_1", "acct_1", 500)
             holder.rollback()
         assert refusal["block_reason"] == "store_unavailable"

@@ -1,14 +1,14 @@
 """PostgresJournal: an EffectStore on PostgreSQL, for replicas of an agent on many hosts.
 
-Every append moves the one ``chain_head`` row in the transaction that inserts the event (with the
-next ``seq`` and its hash) and updates the call's projection row, so that row's lock orders all
-appends: ``seq`` stays gapless and the chain unbroken under any number of writers, and two
-``begin`` for one call id can never interleave. Right after this object's own write, a write is one
-compare-and-set of the head (one round trip); while other replicas write, one call of a function
-that appends on the server under the head's lock (one round trip, the lock held only there); and
-where that function cannot be made, or to settle a compare-and-set cut off in doubt, a transaction
-that locks the head and then reads (two round trips). docs/postgres.md explains all three. Only
-``pending`` is committed synchronously.
+Every write of a call takes that call's lock, reads its projection row, decides and writes, so two
+``begin`` for one call id can never interleave, and writes of other calls never wait on it. The
+event goes into the hash-chained log at once when no other session is sealing, else into the inbox,
+which is sealed into the log (the next ``seq``, the hash of the one before) within milliseconds, in
+the order each call's events were written: ``seq`` stays gapless and the chain unbroken under any
+number of writers (see :mod:`journal.postgres.sealing`). A guard's write is one call of a function
+that appends on the server (one round trip); where that function cannot be made, a transaction that
+locks the call and then reads (two). docs/postgres.md explains both. Only ``pending`` is committed
+synchronously.
 
 While the server cannot be reached, writes raise :class:`~journal.errors.JournalError` within
 the connect timeout (the guard refuses the call ``store_unavailable`` and runs nothing); after

@@ -18,10 +18,11 @@ from guard.store import CallRecord
 
 from .. import approvals
 from ..errors import unstorable
+from ..events import JournalEvent
 from .datastore import Conn, PostgresDatastore
 from .deadline import DeadlineConnection
-from .heads import Head, Known, unique_at
-from .writes import APPROVALS_CHANNEL, Writer
+from .heads import unique_at
+from .writes import APPROVALS_CHANNEL, SEAL_NOW, Writer
 
 __all__ = ["Approvals"]
 
@@ -30,46 +31,43 @@ class Approvals:
     """``approval_step`` and ``wait_for_decision``; the steps append as
     ``begin``'s locked way does (through :class:`~journal.postgres.writes.Writer`)."""
 
-    def __init__(self, datastore: PostgresDatastore, known: Known, writes: Writer) -> None:
+    def __init__(self, datastore: PostgresDatastore, writes: Writer) -> None:
         self.name = datastore.name
         self._datastore = datastore
-        self._known = known
         self._writes = writes
 
     def approval_step(self, call_id: str, step: ApprovalStep[T]) -> T:
-        """In one transaction that holds the chain's head (as every append does, so no ``begin``
-        or other step of any replica comes between): read the call's record as ``begin``'s locked
-        way does and its latest request, let ``step`` choose the events, and append them in order,
-        each folded into the calls and the requests, committed synchronously (a consumed grant and
-        the ``pending`` it lets through are durable before this returns). What ``step`` raises is
-        raised, and nothing is appended."""
+        """In one transaction that holds the call (so no ``begin`` or other step of it, from any
+        replica, comes between): read the call's record as ``begin``'s locked way does and its
+        latest request, let ``step`` choose the events, and append them in order, each sealed into
+        the log at once and folded into the calls and the requests, committed synchronously (a
+        consumed grant and the ``pending`` it lets through are durable before this returns). What
+        ``step`` raises is raised, and nothing is appended."""
         doing = "record a step of a request for approval"
         self._datastore.check_writable(doing)
         writes = self._writes
 
-        def work(conn: Conn) -> tuple[T, Head | None, CallRecord | None, str | None]:
-            head, record = writes.lock_and_read(conn, call_id)
+        def work(conn: Conn) -> tuple[T, list[tuple[str | None, JournalEvent, CallRecord | None]]]:
+            record = writes.lock_and_read(conn, call_id)
             events, result = step(record, approvals.latest_request(conn, "%s", call_id))
-            last_hash: str | None = None
-            moved: Head | None = None
+            done: list[tuple[str | None, JournalEvent, CallRecord | None]] = []
             for event in events:
                 event = unique_at(event)
                 if event.call_id == call_id:
-                    stored, head, record = writes.append_locked(conn, head, record, event)
-                    last_hash = stored.hash if record is not None and record.last_seq == stored.seq else last_hash
+                    stored, record = writes.append_locked(conn, record, event, SEAL_NOW)
+                    done.append((call_id, stored, record))
                 else:
-                    _, other = writes.lock_and_read(conn, event.call_id)
-                    stored, head, _ = writes.append_locked(conn, head, other, event)
-                moved = head
-            return result, moved, record, last_hash
+                    other = writes.lock_and_read(conn, event.call_id)
+                    stored, other = writes.append_locked(conn, other, event, SEAL_NOW)
+                    done.append((event.call_id, stored, other))
+            return result, done
 
-        self._known.recent = None
         try:
-            result, head, record, last_hash = self._datastore.write(doing, work, pipeline=False)
+            result, done = self._datastore.write(doing, work, pipeline=False)
         except (UnicodeEncodeError, NotCanonical) as e:
             raise unstorable(self.name, e) from e
-        if head is not None:
-            self._known.remember(head, call_id, record, True, last_hash)
+        for written_id, stored, record in done:
+            writes.appended(written_id, stored, record)
         return result
 
     def wait_for_decision(self, call_id: str, seconds: float) -> bool:

@@ -22,6 +22,7 @@ from ..events import VerifyReport
 from ..projection import record_row
 from ..rows import CALL_COLUMNS, EVENT_COLUMNS
 from .datastore import Conn, PostgresDatastore
+from .sealing import SealingReads, hold_log
 from .sql import _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
 
 __all__ = ["SNAPSHOT_BY_CALL", "Archiver", "archived_head", "commit"]
@@ -105,7 +106,7 @@ class Archiver:
     one (:class:`~journal.archive.ArchivedImporter`), checked by ``verified`` (verify, in the
     transaction of the connection given) before it commits."""
 
-    def __init__(self, datastore: PostgresDatastore, verified: Callable[[Conn], VerifyReport]) -> None:
+    def __init__(self, datastore: PostgresDatastore | SealingReads, verified: Callable[[Conn], VerifyReport]) -> None:
         self.name = datastore.name
         self._datastore = datastore
         self._rows = datastore.rows
@@ -145,7 +146,7 @@ class Archiver:
         were removed. The login needs EXECUTE on ``airlock_archive_events`` (see docs/postgres.md)."""
 
         def work(conn: Conn) -> int:
-            conn.execute(_LOCK_HEAD).fetchone()
+            hold_log(conn)  # appends wait; every committed event is sealed
             return commit(conn, plan, file, archived_at)
 
         return self._datastore.write("archive the events", work, pipeline=False, retry=False)
@@ -163,6 +164,7 @@ class Archiver:
         Returns the number of calls. See :class:`~journal.archive.ArchivedImporter`."""
 
         def work(conn: Conn) -> int:
+            hold_log(conn)  # appends wait; every committed event is sealed
             seq = (conn.execute(_LOCK_HEAD).fetchone() or (0,))[0]
             if seq or conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
                 raise JournalError(f"the destination {self.name} is not empty; copy only into a new journal")

@@ -23,7 +23,8 @@ from ..rows import (
 )
 from .archiving import SNAPSHOT_BY_CALL, archived_head
 from .datastore import Conn, PostgresDatastore
-from .sql import _BATCH, _BY_CALL, _CALL_SELECT, _EVENT_SELECT, _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
+from .sealing import SealingReads, hold_log
+from .sql import _BATCH, _BY_CALL, _BY_CALL_WITH_INBOX, _CALL_SELECT, _EVENT_SELECT, _LOCK_HEAD, _SET_HEAD, _UPSERT_CALL
 
 __all__ = ["Checker"]
 
@@ -48,7 +49,7 @@ def _seeds(conn: Conn) -> Iterator[tuple[Any, ...]]:
 class Checker:
     """Verify, rebuild and import."""
 
-    def __init__(self, datastore: PostgresDatastore) -> None:
+    def __init__(self, datastore: PostgresDatastore | SealingReads) -> None:
         self.name = datastore.name
         self._datastore = datastore
 
@@ -82,7 +83,8 @@ class Checker:
             return log_end or None, f"the chain head row {head!r} does not match the last event"
 
         def records() -> Iterator[CallRecord]:
-            by_call = streamed("airlock_verify_by_call", _BY_CALL)
+            # The projection holds the events still in the inbox too: folded after the log's.
+            by_call = streamed("airlock_verify_by_call", _BY_CALL_WITH_INBOX)
             return folded_onto(_seeds(conn), by_call) if start[0] else fold_calls(by_call)
 
         # The chain first, holding one event at a time; then the head row; then each call; then
@@ -102,7 +104,7 @@ class Checker:
             if allowed is None or not allowed[0]:
                 raise JournalError(f"cannot rebuild the projection: the login may not do it on the journal {self.name} "
                                    "(rebuild needs DELETE on calls, an operator's grant)")
-            conn.execute(_LOCK_HEAD).fetchone()
+            hold_log(conn)  # appends wait; every committed event is sealed
             calls = self._rebuilt_by_call(conn, advance)
             approvals.rebuild(conn, "%s")  # the requests, folded from the log as the calls are
             # Writers that read the old projection must read again: their compare-and-set now fails.
@@ -157,6 +159,7 @@ class Checker:
         is changed then. Used by :func:`journal.copy.copy_journal`."""
 
         def work(conn: Conn) -> int:
+            hold_log(conn)  # appends wait; every committed event is sealed
             seq = (conn.execute(_LOCK_HEAD).fetchone() or (0,))[0]
             if seq or conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
                 raise JournalError(f"the destination {self.name} is not empty; copy only into a new journal")

@@ -227,7 +227,7 @@ class PostgresDatastore:
         """Append the locked way from now on, since ``why``."""
         if self.server_append:
             self.server_append = False
-            log.warning("journal %s: appends lock the chain head from the client, since %s", self.name, why)
+            log.warning("journal %s: appends lock their call from the client, since %s", self.name, why)
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -285,6 +285,22 @@ class PostgresDatastore:
             raise self._translate(e, doing) from e
         self._set_deadline(conn)
         return conn
+
+    def own_session(self, doing: str) -> Conn:
+        """A connection of its own, outside the pool, reaching the journal's schema, autocommit; the
+        caller closes it. For a part that keeps a session beside the pool's (the sealer's)."""
+        conn = self._connect_direct(doing)
+        try:
+            conn.execute(SQL("SET search_path = {}").format(Identifier(self.schema)))
+            conn.execute(f"SET lock_timeout = {int(self.busy_timeout * 1000)}".encode())
+        except psycopg.Error as e:
+            conn.close()
+            raise self._translate(e, doing) from e
+        return conn
+
+    def translated(self, e: Exception, doing: str) -> JournalError:
+        """The journal's error for a psycopg error met while ``doing``."""
+        return self._translate(e, doing)
 
     @contextlib.contextmanager
     def session(self, doing: str) -> Iterator[Conn]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..chain import GENESIS
 from ..reading import LogReader
 from .datastore import PostgresDatastore
+from .sealing import SealingReads
 
 __all__ = ["Reader"]
 
@@ -14,7 +15,7 @@ class Reader(LogReader):
     """:class:`~journal.reading.LogReader` on the journal's datastore, and the chain head, which
     PostgreSQL keeps in a row of its own."""
 
-    def __init__(self, datastore: PostgresDatastore) -> None:
+    def __init__(self, datastore: PostgresDatastore | SealingReads) -> None:
         super().__init__(datastore)
         self._read_head = datastore.rows
 

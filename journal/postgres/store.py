@@ -26,6 +26,7 @@ from .heads import Known
 from .leases import Leases
 from .opening import Opener
 from .reads import Reader
+from .sealing import Sealer, SealingReads
 from .server_append import _APPEND_FN
 from .writes import Writer
 
@@ -52,8 +53,8 @@ class PostgresJournal(SQLJournal):
     another encoding, the login may not use the schema); in every case nothing is changed.
 
     :attr:`datastore` holds the connections (its :attr:`~PostgresDatastore.pool` among them), and
-    :attr:`writes` the guard's appends (set ``journal.writes.skip_cas`` to make the next writes
-    the contended way, as another replica's writes would).
+    :attr:`writes` the guard's appends (set ``journal.writes.seal_mode`` to
+    :data:`~journal.postgres.writes.QUEUE` to send every event through the inbox, as under contention).
     """
 
     datastore: PostgresDatastore
@@ -88,13 +89,16 @@ class PostgresJournal(SQLJournal):
         known = Known(opened.head_seq)
         datastore.when_lost(known.forget)
         leases = Leases(datastore)
-        writes = Writer(datastore, known, leases)
-        checking = Checker(datastore)
-        self._reader = reads = Reader(datastore)
-        self._approving = approvals = Approvals(datastore, known, writes)
+        #: Seals what this process's appends left in the inbox (see :mod:`journal.postgres.sealing`).
+        self.sealer = sealer = Sealer(datastore)
+        writes = Writer(datastore, known, leases, sealer)
+        sealed = SealingReads(datastore, sealer)  # operators' reads seal what is committed first
+        checking = Checker(sealed)
+        self._reader = reads = Reader(sealed)
+        self._approving = approvals = Approvals(datastore, writes)
         datastore.start(opened.schema)
         super().__init__(datastore, reads=reads, writes=writes, leases=leases, checks=checking,
-                         archives=Archiver(datastore, checking.verify_in), approvals=approvals)
+                         archives=Archiver(sealed, checking.verify_in), approvals=approvals)
 
     # What it was opened with: fixed for the journal's life (its parts were made with them).
 
@@ -146,6 +150,17 @@ class PostgresJournal(SQLJournal):
         ``NOTIFY``); False after ``seconds``, or when the call's latest request was no longer open
         as the wait began. See :class:`guard.approvals.ApprovalWaiter`."""
         return self._approving.wait_for_decision(call_id, seconds)
+
+    def close(self) -> None:
+        """Seal what this process left in the inbox, and close the journal's connections; it cannot
+        be used afterwards. Closing twice is harmless."""
+        self.sealer.close()
+        super().close()
+
+    def seal(self) -> int:
+        """Seal every event committed to the inbox into the log now (waiting for a seal under way);
+        returns how many were moved. Reads do it themselves, and writers soon after they append."""
+        return self.sealer.seal()
 
     def remove_if_empty(self) -> bool:
         """See :meth:`journal.protocol.Removable.remove_if_empty`: the tables and functions of the

@@ -128,11 +128,13 @@ def settled(pg_dsn: str) -> None:
     until(idle, "a statement still runs on the server")
 
 
-def cut_while_waiting_for_the_head(pg_dsn: str, proxy: CuttingProxy, write: Any) -> Any:
-    """Run ``write`` while another transaction holds the chain's head, cut its connection while
-    its statement waits on the server for that lock, then let the lock go."""
+def cut_while_waiting_for_the_head(pg_dsn: str, proxy: CuttingProxy, write: Any, call_id: str) -> Any:
+    """Run ``write`` while another transaction holds the chain's head and the lock of the call
+    ``call_id``, cut its connection while its statement waits on the server for them, then let
+    them go."""
     blocker = psycopg.connect(pg_dsn)
     blocker.execute("SELECT * FROM chain_head FOR UPDATE")
+    blocker.execute("SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext(%s))", (call_id,))
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -143,8 +145,8 @@ def cut_while_waiting_for_the_head(pg_dsn: str, proxy: CuttingProxy, write: Any)
 
     thread = threading.Thread(target=run)
     thread.start()
-    # The one-statement append waits on the server for the head row.
-    until(lambda: waiting_for_a_lock(pg_dsn) >= 1, "the write waits for the head")
+    # The one-statement append waits on the server for the call's lock.
+    until(lambda: waiting_for_a_lock(pg_dsn) >= 1, "the write waits for the lock")
     proxy.cut_clients()
     # The journal found nothing yet and went the locked way, which waits too (or gave up at once).
     until(lambda: waiting_for_a_lock(pg_dsn) >= 2 or not thread.is_alive(), "the write waits again or ends")
@@ -171,7 +173,7 @@ def test_an_outcome_cut_off_in_doubt_is_appended_once(proxied: Any, pg_dsn: str)
     journal, proxy = proxied
     journal.append(EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}", idempotency_key="k"))
     stored = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.append_event(
-        EffectEvent("committed", "c1", "pay", attempt=1, value='{"ok":1}')))
+        EffectEvent("committed", "c1", "pay", attempt=1, value='{"ok":1}')), "c1")
     assert not isinstance(stored, Exception), stored
     assert events_of(pg_dsn) == [(1, "pending", "c1", 1), (2, "committed", "c1", 1)]
     assert stored.seq == 2
@@ -183,7 +185,7 @@ def test_a_pending_cut_off_in_doubt_is_recorded_once(proxied: Any, pg_dsn: str) 
     journal, proxy = proxied
     journal.append(EffectEvent("refused", None, "pay", attempt=0, reason={"code": "x", "message": "m"}))
 
-    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("c2", run_unless_seen("c2")))
+    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("c2", run_unless_seen("c2")), "c2")
     assert not isinstance(decision, Exception), decision
     assert decision.verdict == Verdict.RUN  # the pending this caller made, not a refusal by its own record
     assert events_of(pg_dsn) == [(1, "refused", None, 0), (2, "pending", "c2", 1)]
@@ -191,11 +193,11 @@ def test_a_pending_cut_off_in_doubt_is_recorded_once(proxied: Any, pg_dsn: str) 
 
 
 def test_a_first_write_cut_off_while_the_server_waits_for_the_head_is_recorded_once(proxied: Any, pg_dsn: str) -> None:
-    # A new object's first write is the server-side append; cut off, it is sent again, and
-    # whichever of the two gets the head first appends, the other finds that event.
+    # A write is the server-side append; cut off, it is sent again, and whichever of the two gets
+    # the call's lock first appends, the other finds that event.
     journal, proxy = proxied
 
-    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("c3", run_unless_seen("c3")))
+    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("c3", run_unless_seen("c3")), "c3")
     assert not isinstance(decision, Exception), decision
     assert decision.verdict == Verdict.RUN
     settled(pg_dsn)  # the first call, its client gone, has finished on the server too
@@ -209,11 +211,10 @@ def test_a_server_append_cut_off_is_never_made_again_the_locked_way(
     # The session the call is sent again on has no server-side append (one that could not make it):
     # the locked way cannot tell the first call's event, so the write fails rather than doubling.
     journal, proxy = proxied
-    monkeypatch.setattr(journal.writes, "skip_cas", 10**9)  # every write made on the server
     journal.append(EffectEvent("pending", "c5", "pay", attempt=1, arguments="{}", idempotency_key="k"))
     monkeypatch.setattr(journal.datastore, "session_setup", "SELECT 1")  # sessions from now on go without it
     outcome = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.append_event(
-        EffectEvent("committed", "c5", "pay", attempt=1, value='{"ok":1}')))
+        EffectEvent("committed", "c5", "pay", attempt=1, value='{"ok":1}')), "c5")
     assert isinstance(outcome, JournalError), outcome
     settled(pg_dsn)  # the first call, its client gone, has finished on the server
     assert events_of(pg_dsn) == [(1, "pending", "c5", 1), (2, "committed", "c5", 1)]
@@ -228,14 +229,13 @@ def test_after_a_crash_lost_events_an_append_cut_off_on_the_server_is_still_foun
     from tests.postgres.test_replicas import crash_losing
 
     journal, proxy = proxied
-    monkeypatch.setattr(journal.writes, "skip_cas", 10**9)  # every write made on the server
     journal.begin("x", run_unless_seen("x"))  # seq 1, on disk
     journal.datastore.pool.wait(PATIENCE)  # no session opens (and commits its temporary function) as the crash comes
     crash_losing(pg_server, lambda: (  # seq 2 and 3: lost, so the head goes back below what the object saw
         journal.append(EffectEvent("released", "x", "pay", attempt=1, error={"type": "E", "message": "m"})),
         journal.append(EffectEvent("refused", None, "pay", reason={"code": "c", "message": "m"}))))
     assert journal.head()[0] == 1
-    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("y", run_unless_seen("y")))
+    decision = cut_while_waiting_for_the_head(pg_dsn, proxy, lambda: journal.begin("y", run_unless_seen("y")), "y")
     assert not isinstance(decision, Exception), decision
     assert decision.verdict == Verdict.RUN  # its own pending found, not taken for another's
     settled(pg_dsn)

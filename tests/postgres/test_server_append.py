@@ -1,6 +1,6 @@
-"""PostgresJournal's server-side append: how a write goes while other replicas write too (and a
-journal object's first write). The server takes the chain head's lock, checks the call's record
-and places the event, computing its seq and hash itself."""
+"""PostgresJournal's server-side append: how every write of the guard goes. The server takes the
+call's lock, checks the call's record and places the event: in the log (computing its seq and hash
+itself) when no other session seals, else in the inbox, sealed soon after."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from guard.effect_guard import EffectGuard
 from guard.store import Decision, EffectEvent, Verdict
 from journal.chain import hash_of
 from journal.postgres import PostgresJournal
+from journal.postgres.writes import QUEUE
 from tests.pgserver import PgServer, fresh_database
 
 pytestmark = pytest.mark.postgres
@@ -27,14 +28,14 @@ pytestmark = pytest.mark.postgres
 
 def counting_server_appends(journal: PostgresJournal, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     outcomes: list[str] = []
-    call = journal.writes._call_server_append
+    call = journal.datastore.resendable
 
-    def counted(doing: str, params: Any) -> tuple[Any, ...]:
-        row = call(doing, params)
+    def counted(doing: str, sql: str, params: Any) -> tuple[Any, ...]:
+        row = call(doing, sql, params)
         outcomes.append(row[0])
         return row
 
-    monkeypatch.setattr(journal.writes, "_call_server_append", counted)
+    monkeypatch.setattr(journal.datastore, "resendable", counted)
     return outcomes
 
 
@@ -60,9 +61,9 @@ def test_replicas_writing_in_turn_through_the_server_chain_every_event_as_the_ru
     a, b = PostgresJournal(pg_dsn), PostgresJournal(pg_dsn)
     seen_a, seen_b = counting_server_appends(a, monkeypatch), counting_server_appends(b, monkeypatch)
     for journal in (a, b):
-        # As after a compare-and-set that found the head moved by another replica: every write
-        # then goes to the server, each object's record of the last call it wrote often stale.
-        monkeypatch.setattr(journal.writes, "skip_cas", 10**9)
+        # As under contention: every event waits in the inbox for its seq, each object's record of
+        # the last call it wrote often stale (sealed since, or written by the other).
+        monkeypatch.setattr(journal.writes, "seal_mode", QUEUE)
     tools = {a: guarded(a), b: guarded(b)}
     for n in range(12):
         journal = (a, b)[n % 2]
@@ -88,16 +89,15 @@ def test_replicas_writing_in_turn_through_the_server_chain_every_event_as_the_ru
 def test_an_append_the_server_is_sent_twice_is_appended_once(pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # What a call made again after its connection was cut sends: the same call, the same event.
     with PostgresJournal(pg_dsn) as journal:
-        monkeypatch.setattr(journal.writes, "skip_cas", 10**9)  # every write made by the server
-        call = journal.writes._call_server_append
+        call = journal.datastore.resendable
         replies: list[tuple[Any, ...]] = []
 
-        def twice(doing: str, params: Any) -> tuple[Any, ...]:
-            replies.append(call(doing, params))  # this reply lost with its connection, say
-            replies.append(call(doing, params))
+        def twice(doing: str, sql: str, params: Any) -> tuple[Any, ...]:
+            replies.append(call(doing, sql, params))  # this reply lost with its connection, say
+            replies.append(call(doing, sql, params))
             return replies[-1]
 
-        monkeypatch.setattr(journal.writes, "_call_server_append", twice)
+        monkeypatch.setattr(journal.datastore, "resendable", twice)
         journal.append_event(EffectEvent("pending", "c1", "pay", attempt=1, arguments="{}", idempotency_key="k"))
         refused = EffectEvent("refused", None, "pay", reason={"code": "policy_violation", "message": "m"})
         stored = journal.append_event(refused)
@@ -107,6 +107,13 @@ def test_an_append_the_server_is_sent_twice_is_appended_once(pg_dsn: str, monkey
         # The same content sent anew (another event, even one made at the same moment) is appended.
         journal.append_event(refused)
         assert journal.count_events() == 3 and journal.verify().ok
+        # An event that waits in the inbox is found there (by its inbox id, as minus its seq).
+        monkeypatch.setattr(journal.writes, "seal_mode", QUEUE)
+        replies.clear()
+        journal.append(EffectEvent("committed", "c1", "pay", attempt=1, value='"ok"'))
+        assert [r[0] for r in replies] == ["appended", "found"] and replies[0][1] == replies[1][1] < 0
+        assert [e.kind for e in journal.call_events("c1")] == ["pending", "committed"]
+        assert journal.count_events() == 4 and journal.verify().ok
 
 
 def test_a_decision_taken_on_a_record_that_changed_is_taken_again_on_the_current_one(pg_dsn: str) -> None:
@@ -169,7 +176,6 @@ def test_a_session_without_the_server_side_append_falls_back_to_the_locked_way(
     pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with PostgresJournal(pg_dsn, pool_size=1) as journal:
-        monkeypatch.setattr(journal.writes, "skip_cas", 10**9)
         journal.append_event(EffectEvent("refused", None, "pay", reason={"code": "policy_violation", "message": "m"}))
         with journal.datastore.pool.connection() as conn:  # the pool's one session loses its function
             conn.execute(b"DROP FUNCTION pg_temp.airlock_append")
@@ -228,7 +234,7 @@ def test_two_objects_of_one_process_on_a_clock_that_stands_still_never_both_run_
     at = datetime.now(UTC)
     with PostgresJournal(pg_dsn) as first, PostgresJournal(pg_dsn) as second:
         for journal in (first, second):
-            monkeypatch.setattr(journal.writes, "skip_cas", 10**9)
+            monkeypatch.setattr(journal.writes, "seal_mode", QUEUE)
         verdicts = [j.begin("c1", decide_as_the_guard("c1", at)).verdict for j in (first, second)]
         assert verdicts == [Verdict.RUN, Verdict.REFUSE]
         events = list(first.events())
@@ -265,12 +271,11 @@ def test_refusals_made_on_the_server_never_keep_a_record_another_replica_changed
     with PostgresJournal(pg_dsn) as first, PostgresJournal(pg_dsn) as second:
         first.begin("x", decide_as_the_guard("x", datetime.now(UTC)))
         first.append(EffectEvent("released", "x", "pay", attempt=1, error={"type": "E", "message": "m"}))
-        monkeypatch.setattr(first.writes, "skip_cas", 8)  # as after a contended write: the next 8 on the server
         second.begin("x", lambda record: Decision(
             Verdict.RUN, EffectEvent("pending", "x", "pay", attempt=2, arguments="{}"), record))
         for _ in range(9):  # a gate refuses x on the first object (its record not read)
             first.append_event(EffectEvent("refused", "x", "pay", reason={"code": "rate_limited", "message": "m"}))
-        # Then the first object's compare-and-set: decided on the record it wrote, attempt 2 would run again.
+        # Then the first object's begin: decided on the record it wrote, attempt 2 would run again.
         decision = first.begin("x", decide_as_the_guard("x", datetime.now(UTC)))
         assert decision.verdict is Verdict.REFUSE and decision.record is not None
         assert decision.record.attempt == 2 and decision.record.status == "pending"

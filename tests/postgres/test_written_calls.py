@@ -52,22 +52,17 @@ def round_trips(journal: PostgresJournal, monkeypatch: pytest.MonkeyPatch) -> li
     """The journal's writes from now on, one entry a round trip to the server (a locked write: two)."""
     made: list[str] = []
     writes = journal.writes  # the part that makes the appends
-    single, on_server, locked = writes._single_statement, writes._call_server_append, writes._locked_write
+    on_server, locked = journal.datastore.resendable, writes._locked_write
 
-    def counted_single(doing: str, sql: str, params: Any) -> Any:
-        made.append("compare-and-set")
-        return single(doing, sql, params)
-
-    def counted_on_server(doing: str, params: Any) -> Any:
+    def counted_on_server(doing: str, sql: str, params: Any) -> Any:
         made.append("server append")
-        return on_server(doing, params)
+        return on_server(doing, sql, params)
 
     def counted_locked(*args: Any) -> Any:
         made.extend(["locked", "locked"])
         return locked(*args)
 
-    monkeypatch.setattr(writes, "_single_statement", counted_single)
-    monkeypatch.setattr(writes, "_call_server_append", counted_on_server)
+    monkeypatch.setattr(journal.datastore, "resendable", counted_on_server)
     monkeypatch.setattr(writes, "_locked_write", counted_locked)
     return made
 
@@ -93,7 +88,7 @@ def test_a_replay_and_a_refusal_of_calls_written_earlier_are_one_round_trip_each
     refusal = tools.call(tools.lost, "c-unknown")
 
     assert is_refusal(refusal) and refusal["block_reason"] == "effect_status_unknown"
-    assert made == ["compare-and-set", "compare-and-set"]
+    assert made == ["server append", "server append"]
     assert tools.runs == {"charge": 6, "lost": 1, "flaky": 0}
     assert [e.kind for e in journal.call_events("c-committed")] == ["pending", "committed", "replayed"]
     assert [e.kind for e in journal.call_events("c-unknown")] == ["pending", "unknown", "refused"]
