@@ -42,23 +42,24 @@ _SAME_EVENT = " AND ".join(f"e.{c} IS NOT DISTINCT FROM e_{c}" for c in _EVENT_F
 _NO_ROW = ", ".join(f"NULL::{_TYPES.get(c, 'text')}" for c in CALL_COLUMNS)
 
 # The call's record lets it run, but its log says otherwise: no row while the log (sealed or not)
-# has an event that changes it; or a row released by hand, not by the call's last such event.
+# has an event that changes it; or a row released by hand, not by the call's last such event. Each
+# case its own statement, so that a fresh call's check costs two index probes.
 _LOG_DISAGREES = f"""
-        (current_last IS NULL AND (
-            EXISTS (SELECT 1 FROM events e WHERE e.call_id = e_call_id AND e.kind IN {CHANGING_KINDS})
-            OR EXISTS (SELECT 1 FROM inbox e WHERE e.call_id = e_call_id AND e.kind IN {CHANGING_KINDS})))
-        OR (current_status = 'released' AND NOT CASE WHEN current_last > 0 THEN
-            EXISTS (SELECT 1 FROM events e WHERE e.seq = current_last AND e.call_id = e_call_id
-                    AND e.kind = 'released')
-            AND NOT EXISTS (SELECT 1 FROM events e WHERE e.call_id = e_call_id AND e.seq > current_last
-                            AND e.kind IN {CHANGING_KINDS})
-            AND NOT EXISTS (SELECT 1 FROM inbox e WHERE e.call_id = e_call_id AND e.kind IN {CHANGING_KINDS})
-        ELSE
-            EXISTS (SELECT 1 FROM inbox e WHERE e.id = -current_last AND e.call_id = e_call_id
-                    AND e.kind = 'released')
-            AND NOT EXISTS (SELECT 1 FROM inbox e WHERE e.call_id = e_call_id AND e.id > -current_last
-                            AND e.kind IN {CHANGING_KINDS})
-        END)"""
+        IF current_last IS NULL THEN
+            disagrees := EXISTS (SELECT 1 FROM events e WHERE e.call_id = e_call_id AND e.kind IN {CHANGING_KINDS})
+                OR EXISTS (SELECT 1 FROM inbox e WHERE e.call_id = e_call_id AND e.kind IN {CHANGING_KINDS});
+        ELSIF current_status = 'released' AND current_last > 0 THEN
+            disagrees := NOT EXISTS (SELECT 1 FROM events e WHERE e.seq = current_last AND e.call_id = e_call_id
+                                     AND e.kind = 'released')
+                OR EXISTS (SELECT 1 FROM events e WHERE e.call_id = e_call_id AND e.seq > current_last
+                           AND e.kind IN {CHANGING_KINDS})
+                OR EXISTS (SELECT 1 FROM inbox e WHERE e.call_id = e_call_id AND e.kind IN {CHANGING_KINDS});
+        ELSIF current_status = 'released' THEN
+            disagrees := NOT EXISTS (SELECT 1 FROM inbox e WHERE e.id = -current_last AND e.call_id = e_call_id
+                                     AND e.kind = 'released')
+                OR EXISTS (SELECT 1 FROM inbox e WHERE e.call_id = e_call_id AND e.id > -current_last
+                           AND e.kind IN {CHANGING_KINDS});
+        END IF;"""
 
 _APPEND_FN = f"""
 CREATE OR REPLACE FUNCTION pg_temp.airlock_append(
@@ -73,13 +74,24 @@ LANGUAGE plpgsql AS $fn$
 DECLARE
     h_seq bigint; h_hash text; f_seq bigint; f_prev text; f_hash text; current_last bigint;
     current_at text; current_status text; n_seq bigint; n_hash text; n_id bigint; sealed boolean := false;
-    moved integer;
+    moved integer; disagrees boolean := false;
 BEGIN
     IF e_call_id IS NOT NULL THEN
         PERFORM pg_advisory_xact_lock(hashtext(current_schema()), hashtext(e_call_id));
     END IF;
     -- Each statement from here on sees every append of the call committed before the lock was taken.
-    SELECT h.seq INTO h_seq FROM chain_head h WHERE h.id = 1;
+    -- The head's row, where the event may go into the log at once: its seq and hash are those of
+    -- the last event sealed, and stay so until this transaction ends.
+    IF seal_mode = 2 THEN
+        SELECT h.seq, h.hash INTO h_seq, h_hash FROM chain_head h WHERE h.id = 1 FOR UPDATE;
+        sealed := true;
+    ELSIF seal_mode = 1 THEN
+        SELECT h.seq, h.hash INTO h_seq, h_hash FROM chain_head h WHERE h.id = 1 FOR UPDATE SKIP LOCKED;
+        sealed := FOUND;
+    END IF;
+    IF NOT sealed THEN
+        SELECT h.seq INTO h_seq FROM chain_head h WHERE h.id = 1;
+    END IF;
     IF after_seq > h_seq THEN
         RETURN QUERY SELECT 'behind'::text, h_seq, NULL::text, NULL::text, {_NO_ROW};
         RETURN;
@@ -106,7 +118,8 @@ BEGIN
     IF check_record THEN
         SELECT c.last_seq, c.updated_at, c.status INTO current_last, current_at, current_status
             FROM calls c WHERE c.call_id = e_call_id;
-        IF {_LOG_DISAGREES} THEN
+{_LOG_DISAGREES}
+        IF disagrees THEN
             RETURN QUERY SELECT 'log'::text, h_seq, NULL::text, NULL::text, {_NO_ROW};
             RETURN;
         END IF;
@@ -120,15 +133,8 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    -- The head's row, then what the inbox holds sealed first (a statement after the lock: it sees
-    -- every row committed before it); an empty inbox, the common case, costs no call of the sealer.
-    IF seal_mode = 2 THEN
-        PERFORM 1 FROM chain_head h WHERE h.id = 1 FOR UPDATE;
-        sealed := true;
-    ELSIF seal_mode = 1 THEN
-        PERFORM 1 FROM chain_head h WHERE h.id = 1 FOR UPDATE SKIP LOCKED;
-        sealed := FOUND;
-    END IF;
+    -- What the inbox holds is sealed first (a statement after the head's lock: it sees every row
+    -- committed before it); an empty inbox, the common case, costs no call of the sealer.
     IF sealed AND EXISTS (SELECT 1 FROM inbox) THEN
         LOOP
             moved := airlock_seal({SEAL_BATCH}, true);  -- the head is this transaction's: no wait
@@ -136,9 +142,9 @@ BEGIN
         END LOOP;
         -- A longer inbox may hold the call's own earlier events: this one then goes after them.
         sealed := moved < {SEAL_BATCH};
+        SELECT h.seq, h.hash INTO h_seq, h_hash FROM chain_head h WHERE h.id = 1;
     END IF;
     IF sealed THEN  -- this transaction holds the head's row, and the inbox it sees is empty
-        SELECT h.seq, h.hash INTO h_seq, h_hash FROM chain_head h WHERE h.id = 1;
         n_seq := h_seq + 1;
         n_hash := encode(sha256(convert_to(h_hash, 'UTF8') || body_head || convert_to(n_seq::text, 'UTF8')
                                 || body_tail), 'hex');
