@@ -4,7 +4,9 @@ Prints, in one run on one server:
 
 - for each process count of ``--procs`` (8, 16 and 32 by default), with distinct ids: raw INSERTs of
   an event-sized row, each its own transaction (autocommit, default synchronous_commit, each process
-  on a connection of its own), in transactions per second; guarded calls with a fresh tool call id
+  on a connection of its own), in transactions per second; the same each moving a head row in its
+  transaction (the ceiling every append had while one chain head ordered them); the previous
+  release's guarded calls (``--baseline-rev``, run by the same harness); guarded calls with a fresh tool call id
   each (a pending and a committed event a call; each process with a PostgresJournal of its own,
   ``pool_size=1``, on one database), in calls per second; and the ratio of the two (target: 0.40 or
   more at 8 processes, where it was 0.16 when every append waited on the chain head's row). Each
