@@ -47,27 +47,27 @@ class Approvals:
         self._datastore.check_writable(doing)
         writes = self._writes
 
-        def work(conn: Conn) -> tuple[T, list[tuple[str | None, JournalEvent, CallRecord | None]]]:
-            record = writes.lock_and_read(conn, call_id)
+        def work(conn: Conn) -> tuple[T, list[tuple[str | None, JournalEvent, CallRecord | None, int]]]:
+            record, generation = writes.lock_and_read(conn, call_id)
             events, result = step(record, approvals.latest_request(conn, "%s", call_id))
-            done: list[tuple[str | None, JournalEvent, CallRecord | None]] = []
+            done: list[tuple[str | None, JournalEvent, CallRecord | None, int]] = []
             for event in events:
                 event = unique_at(event)
                 if event.call_id == call_id:
-                    stored, record = writes.append_locked(conn, record, event, SEAL_NOW)
-                    done.append((call_id, stored, record))
+                    stored, record = writes.append_locked(conn, record, event, SEAL_NOW, generation)
+                    done.append((call_id, stored, record, generation))
                 else:
-                    other = writes.lock_and_read(conn, event.call_id)
-                    stored, other = writes.append_locked(conn, other, event, SEAL_NOW)
-                    done.append((event.call_id, stored, other))
+                    other, other_generation = writes.lock_and_read(conn, event.call_id)
+                    stored, other = writes.append_locked(conn, other, event, SEAL_NOW, other_generation)
+                    done.append((event.call_id, stored, other, other_generation))
             return result, done
 
         try:
-            result, done = self._datastore.write(doing, work, pipeline=False)
+            result, done = writes.rebuilt_again(doing, work, pipeline=False)
         except (UnicodeEncodeError, NotCanonical) as e:
             raise unstorable(self.name, e) from e
-        for written_id, stored, record in done:
-            writes.appended(written_id, stored, record)
+        for written_id, stored, record, generation in done:
+            writes.appended(written_id, stored, record, generation)
         return result
 
     def wait_for_decision(self, call_id: str, seconds: float) -> bool:

@@ -31,25 +31,27 @@ class Known:
 
     def __init__(self, floor: int) -> None:
         self.floor = floor
-        self._written: dict[str, CallRecord] = {}
+        self._written: dict[str, tuple[CallRecord, int | None]] = {}
         self._lock = fork_safe_lock()
 
-    def remember(self, call_id: str, record: CallRecord) -> None:
-        """This object's last write of ``call_id`` left its record ``record``."""
+    def remember(self, call_id: str, record: CallRecord, generation: int | None) -> None:
+        """This object's last write of ``call_id`` left its record ``record``, in the projection of
+        ``generation`` (the head's, which a rebuild moves; None: not known)."""
         with self._lock:
             written = self._written
             written.pop(call_id, None)  # the newest last, so the oldest is the one let go
-            written[call_id] = record
+            written[call_id] = (record, generation)
             if len(written) > _WRITTEN_CALLS:
                 del written[next(iter(written))]
 
-    def written(self, call_id: str | None) -> CallRecord | None:
-        """The record this object last wrote for ``call_id``, if it still remembers it: it was
-        current then, and the server checks that it still is (see server_append._APPEND_FN)."""
+    def written(self, call_id: str | None) -> tuple[CallRecord | None, int | None]:
+        """The record this object last wrote for ``call_id`` and its generation, if it still
+        remembers them (else None, None): it was current then, and the server checks that it still
+        is (see server_append._APPEND_FN)."""
         if call_id is None:
-            return None
+            return None, None
         with self._lock:
-            return self._written.get(call_id)
+            return self._written.get(call_id, (None, None))
 
     def moved(self, seq: int) -> None:
         """The log reached ``seq``: no event is sealed at or before it any more."""

@@ -33,7 +33,8 @@ _EVENT_FIELDS = [c for c in EVENT_COLUMNS if c not in ("seq", "prev_hash", "hash
 # call made again after its connection was cut appends once, and a first call still running on the
 # server then finds the second's event. Or 'changed', when the call's record is not the one the
 # event was made from (its last event is not the one of expected_last_seq and expected_updated_at,
-# NULL for no record): nothing was written, and the row holds the call's current record to decide
+# NULL for no record, or a rebuild moved the head's generation since expected_generation, the one it
+# was read at): nothing was written, and the row holds the call's current record to decide
 # again on. Or 'log', when the call's record would let it run (none, or released) and the log has
 # state-changing events of it: nothing was written, and the client decides the locked way. Or
 # 'behind', when the log ends before after_seq (the server lost events the client saw).
@@ -64,36 +65,37 @@ _LOG_DISAGREES = f"""
 _APPEND_FN = f"""
 CREATE OR REPLACE FUNCTION pg_temp.airlock_append(
     after_seq bigint, check_record boolean, expected_last_seq bigint, expected_updated_at text,
-    relaxed boolean, seal_mode integer, body_head bytea, body_tail bytea,
+    expected_generation bigint, relaxed boolean, seal_mode integer, body_head bytea, body_tail bytea,
     {", ".join(f"e_{c} {_TYPES.get(c, 'text')}" for c in _EVENT_FIELDS)},
     project boolean,
     {", ".join(f"c_{c} {_TYPES.get(c, 'text')}" for c in _CALL_FIELDS)}
-) RETURNS TABLE (outcome text, new_seq bigint, new_prev_hash text, new_hash text,
+) RETURNS TABLE (outcome text, new_seq bigint, new_prev_hash text, new_hash text, head_generation bigint,
                  {", ".join(f"r_{c} {_TYPES.get(c, 'text')}" for c in CALL_COLUMNS)})
 LANGUAGE plpgsql AS $fn$
 DECLARE
     h_seq bigint; h_hash text; f_seq bigint; f_prev text; f_hash text; current_last bigint;
     current_at text; current_status text; n_seq bigint; n_hash text; n_id bigint; sealed boolean := false;
-    moved integer; disagrees boolean := false;
+    moved integer; disagrees boolean := false; h_gen bigint;
 BEGIN
-    IF e_call_id IS NOT NULL THEN
-        PERFORM pg_advisory_xact_lock(hashtext(current_schema()), hashtext(e_call_id));
-    END IF;
+    -- An event of no call takes a lock of its own: sent again after its connection was cut, it
+    -- must find the first if that one committed.
+    PERFORM pg_advisory_xact_lock(hashtext(current_schema()), coalesce(hashtext(e_call_id), 0));
     -- Each statement from here on sees every append of the call committed before the lock was taken.
     -- The head's row, where the event may go into the log at once: its seq and hash are those of
     -- the last event sealed, and stay so until this transaction ends.
     IF seal_mode = 2 THEN
-        SELECT h.seq, h.hash INTO h_seq, h_hash FROM chain_head h WHERE h.id = 1 FOR UPDATE;
+        SELECT h.seq, h.hash, h.generation INTO h_seq, h_hash, h_gen FROM chain_head h WHERE h.id = 1 FOR UPDATE;
         sealed := true;
     ELSIF seal_mode = 1 THEN
-        SELECT h.seq, h.hash INTO h_seq, h_hash FROM chain_head h WHERE h.id = 1 FOR UPDATE SKIP LOCKED;
+        SELECT h.seq, h.hash, h.generation INTO h_seq, h_hash, h_gen FROM chain_head h WHERE h.id = 1
+            FOR UPDATE SKIP LOCKED;
         sealed := FOUND;
     END IF;
     IF NOT sealed THEN
-        SELECT h.seq INTO h_seq FROM chain_head h WHERE h.id = 1;
+        SELECT h.seq, h.generation INTO h_seq, h_gen FROM chain_head h WHERE h.id = 1;
     END IF;
     IF after_seq > h_seq THEN
-        RETURN QUERY SELECT 'behind'::text, h_seq, NULL::text, NULL::text, {_NO_ROW};
+        RETURN QUERY SELECT 'behind'::text, h_seq, NULL::text, NULL::text, h_gen, {_NO_ROW};
         RETURN;
     END IF;
     -- The inbox first: a row sealed meanwhile is in the log when the log is looked at.
@@ -112,7 +114,7 @@ BEGIN
         END IF;
     END IF;
     IF f_seq IS NOT NULL THEN
-        RETURN QUERY SELECT 'found'::text, f_seq, f_prev, f_hash, {_NO_ROW};
+        RETURN QUERY SELECT 'found'::text, f_seq, f_prev, f_hash, h_gen, {_NO_ROW};
         RETURN;
     END IF;
     IF check_record THEN
@@ -120,14 +122,16 @@ BEGIN
             FROM calls c WHERE c.call_id = e_call_id;
 {_LOG_DISAGREES}
         IF disagrees THEN
-            RETURN QUERY SELECT 'log'::text, h_seq, NULL::text, NULL::text, {_NO_ROW};
+            RETURN QUERY SELECT 'log'::text, h_seq, NULL::text, NULL::text, h_gen, {_NO_ROW};
             RETURN;
         END IF;
         -- The record is the one expected when its last event is: the same time (no two events of
         -- a call alike in it), at the same place, or sealed since (an inbox row given its seq).
+        -- A rebuild (which moves the head's generation) may have made it another since it was read.
         IF current_last IS DISTINCT FROM expected_last_seq
-           AND NOT (expected_last_seq < 0 AND current_last > 0) OR current_at IS DISTINCT FROM expected_updated_at THEN
-            RETURN QUERY SELECT 'changed'::text, h_seq, NULL::text, NULL::text,
+           AND NOT (expected_last_seq < 0 AND current_last > 0) OR current_at IS DISTINCT FROM expected_updated_at
+           OR (expected_generation IS NOT NULL AND h_gen IS DISTINCT FROM expected_generation) THEN
+            RETURN QUERY SELECT 'changed'::text, h_seq, NULL::text, NULL::text, h_gen,
                 {", ".join(f"c.{c}" for c in CALL_COLUMNS)}
                 FROM (SELECT 1) AS one LEFT JOIN calls c ON c.call_id = e_call_id;
             RETURN;
@@ -155,6 +159,12 @@ BEGIN
         INSERT INTO inbox ({", ".join(_EVENT_FIELDS)}, body_head, body_tail)
             VALUES ({", ".join(f"e_{c}" for c in _EVENT_FIELDS)}, body_head, body_tail) RETURNING id INTO n_id;
         n_seq := -n_id;
+        -- The insert waited for a rebuild, archive or copy holding the log: one that rebuilt the
+        -- projection since the record was read undoes the decision (the client decides again).
+        IF (SELECT h.generation FROM chain_head h WHERE h.id = 1) IS DISTINCT FROM h_gen THEN
+            RAISE EXCEPTION 'the projection was rebuilt while the append waited'
+                USING ERRCODE = 'serialization_failure';
+        END IF;
     END IF;
     IF project THEN
         INSERT INTO calls ({", ".join(CALL_COLUMNS)})
@@ -165,12 +175,13 @@ BEGIN
     IF relaxed THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
-    RETURN QUERY SELECT 'appended'::text, n_seq, h_hash, n_hash, {_NO_ROW};
+    RETURN QUERY SELECT 'appended'::text, n_seq, h_hash, n_hash, h_gen, {_NO_ROW};
 END
 $fn$
 """
 
 _CALL_APPEND_FN = (
-    "SELECT * FROM pg_temp.airlock_append(%s::bigint, %s::boolean, %s::bigint, %s::text, %s::boolean, %s::integer, "
+    "SELECT * FROM pg_temp.airlock_append(%s::bigint, %s::boolean, %s::bigint, %s::text, %s::bigint, %s::boolean, "
+    "%s::integer, "
     f"%s::bytea, %s::bytea, {_casts(_EVENT_FIELDS)}, %s::boolean, {_casts(_CALL_FIELDS)})"
 )

@@ -7,8 +7,10 @@ import hashlib
 import time
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any, TypeVar
 
 import orjson
+from psycopg import errors as pg_errors
 
 from guard.approvals import approval_event
 from guard.canonical import NotCanonical
@@ -44,7 +46,21 @@ from .sql import (
     _UPSERT_CALL,
 )
 
-__all__ = ["APPROVALS_CHANNEL", "QUEUE", "SEAL", "SEAL_NOW", "Writer"]
+__all__ = ["APPROVALS_CHANNEL", "QUEUE", "SEAL", "SEAL_NOW", "Rebuilt", "Writer"]
+
+T = TypeVar("T")
+
+
+class Rebuilt(Exception):
+    """A rebuild of the projection came between a write's read of a record and its append: the
+    write's transaction is rolled back and made again."""
+
+
+_GENERATION = b"SELECT generation FROM chain_head WHERE id = 1"
+
+
+def _generation(row: Any) -> int:
+    return int(row[0]) if row is not None else 0
 
 _NO_RECORD_NEEDED = frozenset({"refused", "replayed"})  # they never change a call's record
 
@@ -88,25 +104,27 @@ class Writer:
         #: Where the guard's events go: :data:`SEAL` (the default), or :data:`QUEUE`.
         self.seal_mode = SEAL
 
-    def lock_and_read(self, conn: Conn, call_id: str | None) -> CallRecord | None:
+    def lock_and_read(self, conn: Conn, call_id: str | None) -> tuple[CallRecord | None, int]:
         """Lock the call (no other write of it comes between), then read its record (a statement
-        after the lock: it sees the last commit), and whether the log has a state-changing event of
-        it; one round trip.
+        after the lock: it sees the last commit), whether the log has a state-changing event of it,
+        and the head's generation (which a rebuild moves); one round trip. Returns the record and
+        the generation, for :meth:`append_locked`.
 
         Where the projection lets the call run (no row, or ``released``) and the log (sealed or
         not) has such an event, the record is the fold of the call's events: a row deleted or
         released by hand never lets a call run again (see docs/journal.md, "What a writer with the
         file can hide")."""
-        if call_id is None:
-            return None
         conn.execute(_LOCK_CALL, (call_id,))
+        generation = conn.execute(_GENERATION)
+        if call_id is None:
+            return None, _generation(generation.fetchone())
         found = conn.execute(f"{_CALL_SELECT} WHERE call_id = %s", (call_id,))
         logged = conn.execute(_LOGGED, (call_id, call_id))
         row = found.fetchone()  # the fetch sends the pipeline
         record = self._decoded(record_from_row, row) if row is not None else None
         if logged.fetchone() is not None and (record is None or record.status == "released"):
             record = self._as_logged(conn, call_id, record)
-        return record
+        return record, _generation(generation.fetchone())
 
     def _as_logged(self, conn: Conn, call_id: str, record: CallRecord | None) -> CallRecord | None:
         kept_row = conn.execute("SELECT record FROM calls_archived WHERE call_id = %s", (call_id,)).fetchone()
@@ -115,11 +133,13 @@ class Writer:
         events = conn.execute(_EVENTS_OF_CALL, (call_id, call_id)).fetchall()  # the inbox's after the log's
         return as_logged(call_id, record, kept, events, self._decoded, self.name)
 
-    def append_locked(self, conn: Conn, record: CallRecord | None, event: EffectEvent,
-                      mode: int) -> tuple[JournalEvent, CallRecord | None]:
-        """Append ``event`` (its call locked) where ``mode`` says, and fold it into the projection;
-        returns the stored event (its ``seq`` minus its inbox id where it went into the inbox) and
-        the call's record after it. An event of a request for approval goes into the log at once."""
+    def append_locked(self, conn: Conn, record: CallRecord | None, event: EffectEvent, mode: int,
+                      generation: int) -> tuple[JournalEvent, CallRecord | None]:
+        """Append ``event`` (its call locked, its record ``record`` read at ``generation``) where
+        ``mode`` says, and fold it into the projection; returns the stored event (its ``seq`` minus
+        its inbox id where it went into the inbox) and the call's record after it. An event of a
+        request for approval goes into the log at once. Raises :class:`Rebuilt` (the transaction
+        must be rolled back and made again) when a rebuild came between the read and the append."""
         changes_request = event.call_id is not None and approval_event(event)
         if changes_request:
             mode = SEAL_NOW  # the requests' projection names their events by seq
@@ -143,6 +163,10 @@ class Writer:
                 body_head, body_tail)).fetchone()
             assert made is not None  # RETURNING id
             stored, _ = placed(event, prepared, -int(made[0]), "", "")
+        # The head or the inbox may have been waited for behind a rebuild, archive or copy holding
+        # the log: one that rebuilt the projection undoes the decision taken on the record read.
+        if _generation(conn.execute(_GENERATION).fetchone()) != generation:
+            raise Rebuilt()
         updated = apply(record, event, stored.seq) if event.call_id is not None else None
         if updated is not None and updated is not record:
             conn.execute(_UPSERT_CALL, call_row(updated))
@@ -154,37 +178,52 @@ class Writer:
                              (APPROVALS_CHANNEL, orjson.dumps([self._datastore.schema, event.call_id]).decode()))
         return stored, record
 
-    def appended(self, call_id: str | None, stored: JournalEvent, record: CallRecord | None) -> None:
-        """What a committed write tells: where the log reached, the call's record, the inbox to seal."""
+    def appended(self, call_id: str | None, stored: JournalEvent, record: CallRecord | None,
+                 generation: int | None) -> None:
+        """What a committed write tells: where the log reached, the call's record (in the projection
+        of ``generation``), the inbox to seal."""
         if stored.seq > 0:
             self._known.moved(stored.seq)
         else:
             self._sealer.poke()
         if call_id is not None and record is not None:
-            self._known.remember(call_id, record)
+            self._known.remember(call_id, record, generation)
 
     def _locked_write(self, doing: str, call_id: str | None,
                       choose: Callable[[CallRecord | None], EffectEvent], mode: int) -> JournalEvent:
         """One transaction: lock the call, read its record, ``choose`` the event, append it."""
 
-        def work(conn: Conn) -> tuple[JournalEvent, CallRecord | None]:
-            record = self.lock_and_read(conn, call_id)
+        def work(conn: Conn) -> tuple[JournalEvent, CallRecord | None, int]:
+            record, generation = self.lock_and_read(conn, call_id)
             event = choose(record)
             if event.kind != "pending":
                 conn.execute(_RELAXED)
-            return self.append_locked(conn, record, event, mode)
+            return (*self.append_locked(conn, record, event, mode, generation), generation)
 
-        stored, record = self._datastore.write(doing, work)
-        self.appended(call_id, stored, record)
+        stored, record, generation = self.rebuilt_again(doing, work)
+        self.appended(call_id, stored, record, generation)
         return stored
 
+    def rebuilt_again(self, doing: str, work: Callable[[Conn], T], pipeline: bool = True) -> T:
+        """``work`` in one write transaction, made again while a rebuild undoes it (:class:`Rebuilt`),
+        until the busy deadline."""
+        deadline = time.monotonic() + self._datastore.busy_timeout
+        while True:
+            try:
+                return self._datastore.write(doing, work, pipeline=pipeline)
+            except Rebuilt:
+                if time.monotonic() > deadline:
+                    raise StoreBusy(f"cannot {doing}: the journal {self.name} was rebuilt again and again "
+                                    f"for {self._datastore.busy_timeout:g} s") from None
+
     def _append_on_server(self, doing: str, choose: Callable[[CallRecord | None], EffectEvent],
-                          record: CallRecord | None, check: bool, mode: int) -> JournalEvent:
+                          known: tuple[CallRecord | None, int | None], check: bool, mode: int) -> JournalEvent:
         """Append the event ``choose`` makes from the call's record by one call of the server-side
         append (see _APPEND_FN), starting from ``record`` (None: no record), the one this object
         last wrote. ``check``: the event must come from the call's current record; when the server
         finds another, the event is made again from that one and sent again, until the busy deadline."""
         after = self._known.floor
+        record, generation = known
         deadline = time.monotonic() + self._datastore.busy_timeout
         while True:
             event = choose(record)
@@ -194,28 +233,36 @@ class Writer:
             at_text, error_text, reason_text, owner_text = prepared[0]
             calls = call_row(updated)[1:-1] if updated is not None and project else (None,) * len(_CALL_FIELDS)
             expected_at = call_row(record)[_UPDATED_AT] if record is not None else None
-            row = self._datastore.resendable(doing, _CALL_APPEND_FN, (
-                after, check, record.last_seq if record is not None else None, expected_at,
-                event.kind != "pending", mode, body_head, body_tail,
-                at_text, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
-                event.arguments, event.value, error_text, reason_text, event.actor, event.attempt, owner_text,
-                project, *calls,
-            ))
+            try:
+                row = self._datastore.resendable(doing, _CALL_APPEND_FN, (
+                    after, check, record.last_seq if record is not None else None, expected_at,
+                    generation if record is not None else None, event.kind != "pending", mode, body_head, body_tail,
+                    at_text, event.call_id, event.kind, event.tool, event.agent_id, event.idempotency_key,
+                    event.arguments, event.value, error_text, reason_text, event.actor, event.attempt, owner_text,
+                    project, *calls,
+                ))
+            except JournalError as e:
+                if not isinstance(e.__cause__, pg_errors.SerializationFailure):
+                    raise
+                row = ("rebuilt",)  # nothing was written: a rebuild came while it waited
             if row[0] == "log":
                 raise NoServerAppend()  # the locked way folds the call's events (see lock_and_read)
-            if row[0] not in ("changed", "behind"):
+            if row[0] not in ("changed", "behind", "rebuilt"):
                 break
             if time.monotonic() > deadline:
                 raise StoreBusy(f"cannot {doing}: the record of the call {event.call_id!r} in the journal "
                                 f"{self.name} kept changing for {self._datastore.busy_timeout:g} s")
-            if row[0] == "behind":
+            if row[0] == "rebuilt":
+                record, generation = None, None  # the server tells the record as it is now
+            elif row[0] == "behind":
                 # The server lost events this object saw (it crashed): what the object remembers of
                 # them is gone, and so is the place after which an append sent again is looked for.
                 self._known.forget()
                 self._known.floor = after = int(row[1])
                 record = None
             else:
-                record = None if row[4] is None else self._decoded(record_from_row, row[4:4 + len(CALL_COLUMNS)])
+                generation = int(row[4])
+                record = None if row[5] is None else self._decoded(record_from_row, row[5:5 + len(CALL_COLUMNS)])
         seq = int(row[1])
         if seq > 0:
             prev, digest = str(row[2]), str(row[3])
@@ -229,7 +276,7 @@ class Writer:
             stored, _ = placed(event, prepared, seq, "", "")
         if project:
             record = apply(record, event, seq)
-        self.appended(event.call_id, stored, record if project or check else None)
+        self.appended(event.call_id, stored, record if project or check else None, int(row[4]))
         return stored
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
@@ -287,9 +334,9 @@ class Writer:
             return self._locked_write(doing, call_id, lambda record: event, SEAL_NOW)  # folded into the requests
         check = call_id is not None and event.kind not in _NO_RECORD_NEEDED
         if self._datastore.server_append:
-            record = self._known.written(call_id) if check and call_id is not None else None
+            known = self._known.written(call_id) if check else (None, None)
             with contextlib.suppress(NoServerAppend):
-                return self._append_on_server(doing, lambda record: event, record, check, mode)
+                return self._append_on_server(doing, lambda record: event, known, check, mode)
         return self._locked_write(doing, call_id, lambda record: event, mode)
 
     def get(self, call_id: str) -> CallRecord | None:
@@ -318,14 +365,14 @@ class Writer:
         (None: nothing is written), appended and sealed at once; the primitive of
         :class:`~journal.resolving.Resolver`."""
 
-        def work(conn: Conn) -> tuple[JournalEvent | None, CallRecord | None]:
-            record = self.lock_and_read(conn, call_id)
+        def work(conn: Conn) -> tuple[JournalEvent | None, CallRecord | None, int]:
+            record, generation = self.lock_and_read(conn, call_id)
             event = choose(record, lambda: self._owner_alive(conn, record))
             if event is None:
-                return None, record
-            return self.append_locked(conn, record, event, SEAL_NOW)
+                return None, record, generation
+            return (*self.append_locked(conn, record, event, SEAL_NOW, generation), generation)
 
-        stored, record = self._datastore.write(doing, work, pipeline=False)
+        stored, record, generation = self.rebuilt_again(doing, work, pipeline=False)
         if stored is not None:
-            self.appended(call_id, stored, record)
+            self.appended(call_id, stored, record, generation)
         return stored

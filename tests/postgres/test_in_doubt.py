@@ -241,3 +241,37 @@ def test_after_a_crash_lost_events_an_append_cut_off_on_the_server_is_still_foun
     settled(pg_dsn)
     assert events_of(pg_dsn) == [(1, "pending", "x", 1), (2, "pending", "y", 1)]
     assert journal.verify().ok
+
+
+def test_an_event_of_no_call_cut_off_while_the_log_is_held_is_appended_once(proxied: Any, pg_dsn: str) -> None:
+    # An event of no call waits, like any append, behind a rebuild, archive or copy holding the log;
+    # cut off there and sent again, the two calls take one lock in turn, so the second finds the first.
+    journal, proxy = proxied
+    journal.append(EffectEvent("refused", None, "pay", attempt=0, reason={"code": "x", "message": "m"}))
+    blocker = psycopg.connect(pg_dsn)
+    blocker.execute("SELECT airlock_hold_log()")  # what rebuild, archive and copy do first
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            journal.append(EffectEvent("refused", None, "wire", attempt=0, reason={"code": "y", "message": "m"}))
+            result["value"] = "appended"
+        except Exception as e:
+            result["value"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    until(lambda: waiting_for_a_lock(pg_dsn) >= 1, "the append waits behind the held log")
+    proxy.cut_clients()
+    until(lambda: waiting_for_a_lock(pg_dsn) >= 2 or not thread.is_alive(), "the append sent again waits too")
+    blocker.rollback()
+    blocker.close()
+    thread.join(PATIENCE)
+    assert not thread.is_alive()
+    assert result["value"] == "appended", result["value"]
+    settled(pg_dsn)  # the first call, its client gone, has finished on the server too
+    journal.seal()
+    with psycopg.connect(pg_dsn) as conn:
+        wires = conn.execute("SELECT count(*) FROM events WHERE tool = 'wire'").fetchone()
+    assert wires == (1,)
+    assert journal.verify().ok
