@@ -293,6 +293,8 @@ class PostgresDatastore:
         try:
             conn.execute(SQL("SET search_path = {}").format(Identifier(self.schema)))
             conn.execute(f"SET lock_timeout = {int(self.busy_timeout * 1000)}".encode())
+            # As the pool's sessions: a statement after a lock sees what that lock waited for.
+            conn.execute(b"SET default_transaction_isolation = 'read committed'")
         except psycopg.Error as e:
             conn.close()
             raise self._translate(e, doing) from e

@@ -10,6 +10,7 @@ from psycopg import errors as pg_errors
 from ..errors import JournalError, JournalNotFound, NewerSchema, NotAJournal
 from . import schema as pg_schema
 from .datastore import Conn, PostgresDatastore, log
+from .sealing import hold_log
 
 __all__ = ["Opened", "Opener"]
 
@@ -52,6 +53,7 @@ class Opener:
         meanwhile, so no append comes between); returns whether it did."""
 
         def work(conn: Conn) -> bool:
+            hold_log(conn)  # an event still in the inbox is sealed into the log, which is then not empty
             conn.execute(b"LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
             if conn.execute(b"SELECT EXISTS (SELECT 1 FROM events)").fetchone() != (False,):
                 return False  # someone began to use it meanwhile: left as it is

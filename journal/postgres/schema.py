@@ -273,8 +273,8 @@ _V6_INBOX = (
     )
     """,
     "CREATE INDEX inbox_call_id ON inbox (call_id, id)",
-    # Run as its owner, so a guard's login needs only INSERT on the inbox and EXECUTE here to have its
-    # events sealed (an auditor's read seals what is committed before it reads, with EXECUTE alone).
+    # Run as its owner, so a login needs only EXECUTE here (granted to the guard's and the
+    # operator's) to seal, never DELETE on the inbox or UPDATE of the projection's last_seq.
     # wait false: when another session seals (it holds the head's row), return -1 at once.
     """
     DO $do$
@@ -331,6 +331,8 @@ _V6_INBOX = (
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = %1$I, pg_temp AS $fn$
     DECLARE moved integer; total bigint := 0;
     BEGIN
+        -- Reads that would seal first see this lock and read instead: this seals all there is.
+        PERFORM pg_advisory_xact_lock(hashtext('airlock-journal:hold:' || current_schema()));
         PERFORM 1 FROM chain_head WHERE id = 1 FOR UPDATE;
         LOCK TABLE inbox IN EXCLUSIVE MODE;
         LOOP
@@ -346,6 +348,9 @@ _V6_INBOX = (
     $do$
     """,
     "REVOKE ALL ON FUNCTION airlock_hold_log() FROM PUBLIC",
+    # Whoever may seal holds the head while it does: the guard's and the operator's logins, granted
+    # it (see docs/postgres.md), not every login that can read.
+    "REVOKE ALL ON FUNCTION airlock_seal(integer, boolean) FROM PUBLIC",
 )
 
 MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_LEASES, 3: _V3_CALLS_BY_KEY, 4: _V4_ARCHIVES,

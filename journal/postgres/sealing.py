@@ -44,9 +44,11 @@ T = TypeVar("T")
 SEAL_BATCH = 5000
 
 _SEAL_WAIT = b"SELECT airlock_seal(%s, true)"
-# A read's seal: nothing at all (no lock) when the inbox is empty, which it is while rebuild, archive
-# or copy hold the log; else as _SEAL_WAIT.
-_SEAL_WAITING = b"SELECT CASE WHEN EXISTS (SELECT 1 FROM inbox) THEN airlock_seal(%s, true) ELSE 0 END"
+# A read's seal: nothing at all (no lock) when the inbox is empty; nothing either while rebuild,
+# archive or copy hold the log (airlock_hold_log's lock: they seal all there is, and the read sees
+# the log as it was before them); else as _SEAL_WAIT.
+_SEAL_WAITING = (b"SELECT CASE WHEN EXISTS (SELECT 1 FROM inbox) AND pg_try_advisory_xact_lock_shared("
+                 b"hashtext('airlock-journal:hold:' || current_schema())) THEN airlock_seal(%s, true) ELSE 0 END")
 _SEAL_TRY = b"SELECT airlock_seal(%s, false)"
 
 # How long the thread lets a burst of appends gather before it seals them in one transaction.
@@ -132,13 +134,11 @@ class Sealer:
                 return
             self._closed = True
             thread = self._thread
-        if self._pid != os.getpid():
-            return
-        if thread is not None:
+        if thread is not None and self._pid == os.getpid():
             self._wanted.set()
             thread.join(timeout=self._datastore.busy_timeout + self._datastore.timeout)
             try:
-                self.seal()
+                self._seal(if_waiting=False)
             except JournalError as e:
                 log.warning("journal %s: could not seal the inbox as it closed (%s)", self._datastore.name, e)
         with self._sealing:
@@ -152,7 +152,7 @@ class Sealer:
             time.sleep(_GATHER)
             self._wanted.clear()
             try:
-                self.seal()
+                self._seal(if_waiting=False)
             except JournalError as e:
                 log.warning("journal %s: could not seal the inbox (%s); it is sealed at the next append or read",
                             self._datastore.name, e)
@@ -161,6 +161,11 @@ class Sealer:
         """Seal every committed row of the inbox now (waiting for a seal under way); how many moved.
         Sealing changes nothing any reader sees but where events already committed stand in the log.
         ``if_waiting``: take nothing when the inbox is empty (a read's seal)."""
+        if self._closed:
+            raise JournalError(f"cannot seal the inbox: the journal {self._datastore.name} is closed")
+        return self._seal(if_waiting=if_waiting)
+
+    def _seal(self, *, if_waiting: bool) -> int:
         doing = "seal the inbox"
         with self._sealing:
             for attempt in (1, 2):
