@@ -107,7 +107,7 @@ class Checker:
             hold_log(conn)  # appends wait; every committed event is sealed
             calls = self._rebuilt_by_call(conn, advance)
             approvals.rebuild(conn, "%s")  # the requests, folded from the log as the calls are
-            # Writers that read the old projection must read again: their compare-and-set now fails.
+            # Writers that read the old projection must read again: their append now finds it moved.
             conn.execute(b"UPDATE chain_head SET generation = generation + 1 WHERE id = 1")
             return calls
 
