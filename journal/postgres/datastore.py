@@ -252,6 +252,8 @@ class PostgresDatastore:
             # appends that lock waited for (a database whose default is REPEATABLE READ would
             # fail those writes with serialization errors instead).
             "SET default_transaction_isolation = 'read committed'",
+            # A session of this version may move the chain head (see the schema's version 6).
+            "SET airlock.layout = '6'",
             f"SET lock_timeout = {int(self.busy_timeout * 1000)}",
             # A client that stalls inside a transaction must not hold the write lock for ever.
             f"SET idle_in_transaction_session_timeout = {int(max(60.0, 2 * self.busy_timeout) * 1000)}",
@@ -295,6 +297,7 @@ class PostgresDatastore:
             conn.execute(f"SET lock_timeout = {int(self.busy_timeout * 1000)}".encode())
             # As the pool's sessions: a statement after a lock sees what that lock waited for.
             conn.execute(b"SET default_transaction_isolation = 'read committed'")
+            conn.execute(b"SET airlock.layout = '6'")
         except psycopg.Error as e:
             conn.close()
             raise self._translate(e, doing) from e

@@ -38,6 +38,7 @@ REMOVE = (
     "DROP FUNCTION IF EXISTS airlock_archive_events(bigint, bigint, text, text, text)",
     "DROP FUNCTION IF EXISTS airlock_seal(integer, boolean)",
     "DROP FUNCTION IF EXISTS airlock_hold_log()",
+    "DROP FUNCTION IF EXISTS airlock_head_of_version_6() CASCADE",
 )
 
 _V1 = (
@@ -284,6 +285,7 @@ _V6_INBOX = (
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = %1$I, pg_temp AS $fn$
     DECLARE h_seq bigint; h_hash text; n_hash text; r record; ids bigint[] := '{}';
     BEGIN
+        PERFORM set_config('airlock.layout', '6', true);  -- it may move the head (see below)
         IF wait THEN
             SELECT seq, hash INTO h_seq, h_hash FROM chain_head WHERE id = 1 FOR UPDATE;
         ELSE
@@ -351,6 +353,25 @@ _V6_INBOX = (
     # Whoever may seal holds the head while it does: the guard's and the operator's logins, granted
     # it (see docs/postgres.md), not every login that can read.
     "REVOKE ALL ON FUNCTION airlock_seal(integer, boolean) FROM PUBLIC",
+    # A replica of an earlier version, still running, orders its appends by the head alone and would
+    # not take the call's lock: it could decide a call unstarted that this version's replica just
+    # began. Every one of its appends moves the head; the head now refuses a session that has not
+    # said it is of version 6 (the journal's sessions and its functions do), so such a replica
+    # refuses its calls store_unavailable until it is upgraded.
+    """
+    CREATE FUNCTION airlock_head_of_version_6() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        RAISE EXCEPTION 'the airlock journal has schema version 6: a replica of an earlier version of '
+            'airlock-journal may not append to it; upgrade the replica'
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END
+    $$
+    """,
+    """
+    CREATE TRIGGER chain_head_of_version_6 BEFORE UPDATE ON chain_head FOR EACH ROW
+        WHEN (current_setting('airlock.layout', true) IS DISTINCT FROM '6')
+        EXECUTE FUNCTION airlock_head_of_version_6()
+    """,
 )
 
 MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_LEASES, 3: _V3_CALLS_BY_KEY, 4: _V4_ARCHIVES,

@@ -281,6 +281,7 @@ def test_a_tail_cut_after_a_checkpoint_is_found(batched: BatchedLog, tmp_path: P
     with psycopg.connect(batched.dsn, autocommit=True) as conn:
         conn.execute(b"ALTER TABLE events DISABLE TRIGGER USER")
         conn.execute(b"DELETE FROM events WHERE seq > %s", (keep,))
+        conn.execute("SET airlock.layout = '6'")  # as the journal's own sessions, which may move the head
         conn.execute(b"UPDATE chain_head SET seq = e.seq, hash = e.hash FROM events e WHERE e.seq = %s", (keep,))
         conn.execute(b"ALTER TABLE events ENABLE TRIGGER USER")
     found = invoke("journal", "verify", "--db", batched.dsn, "--checkpoint", str(output))

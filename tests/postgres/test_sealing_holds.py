@@ -99,3 +99,23 @@ def test_a_journal_whose_events_wait_in_the_inbox_is_not_removed_as_empty(pg_dsn
         assert journal.remove_if_empty() is False
     with PostgresJournal(pg_dsn, readonly=True) as journal:
         assert [e.call_id for e in journal.events()] == ["a"] and journal.verify().ok
+
+
+def test_a_replica_of_an_earlier_version_cannot_append_once_the_journal_is_of_version_6(pg_dsn: str) -> None:
+    # An older replica's append, as version 5 made it: the event inserted after the head it locked,
+    # and the head moved, in one transaction. Its session has not said it is of version 6.
+    from journal.rows import stamp
+
+    with PostgresJournal(pg_dsn) as journal:
+        journal.begin("new", pending("new"))
+        seq, head = journal.head()
+    event = EffectEvent("pending", "old", "charge", attempt=1, arguments="{}")
+    stored, row = stamp(event, seq + 1, head)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("SELECT seq FROM chain_head WHERE id = 1 FOR UPDATE")
+        conn.execute(f"INSERT INTO events VALUES ({', '.join(['%s'] * len(row))})", row)
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="upgrade the replica"):
+            conn.execute("UPDATE chain_head SET seq = %s, hash = %s WHERE id = 1", (stored.seq, stored.hash))
+        conn.rollback()
+    with PostgresJournal(pg_dsn, readonly=True) as journal:
+        assert [e.call_id for e in journal.events()] == ["new"] and journal.verify().ok
