@@ -120,6 +120,7 @@ def schema_floor(dsn: str) -> Callable[[int], float]:
     tables, in a schema of their own: what the tables cost with no journal code."""
     PostgresJournal(dsn).close()  # the journal's tables, in the schema the DSN names
     conn = psycopg.connect(dsn, autocommit=True)
+    conn.execute("SET airlock.layout = '6'")  # as the journal's own sessions: it moves the head
     pending = _SCHEMA_APPEND.format(relaxed="")
     outcome = _SCHEMA_APPEND.format(relaxed=" AND set_config('synchronous_commit', 'off', true) = 'off'")
 
