@@ -74,8 +74,6 @@ _DECISIONS = frozenset({"approved", "denied", "expired"})
 # under way.
 QUEUE, SEAL, SEAL_NOW = 0, 1, 2
 
-_UPDATED_AT = CALL_COLUMNS.index("updated_at")
-
 _INBOX_INSERT = (f"INSERT INTO inbox ({', '.join(_EVENT_FIELDS)}, body_head, body_tail) "
                  f"VALUES ({', '.join(['%s'] * (len(_EVENT_FIELDS) + 2))}) RETURNING id")
 
@@ -232,7 +230,7 @@ class Writer:
             prepared, body_head, body_tail = split_body(event)
             at_text, error_text, reason_text, owner_text = prepared[0]
             calls = call_row(updated)[1:-1] if updated is not None and project else (None,) * len(_CALL_FIELDS)
-            expected_at = call_row(record)[_UPDATED_AT] if record is not None else None
+            expected_at = format_at(record.updated_at) if record is not None else None  # as stored
             try:
                 row = self._datastore.resendable(doing, _CALL_APPEND_FN, (
                     after, check, record.last_seq if record is not None else None, expected_at,
