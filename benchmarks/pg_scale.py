@@ -19,7 +19,7 @@ Prints, in one run on one server:
   microseconds a call and their ratio (target: 1.10 or less). Without git or the revision it says so
   and compares, as a fallback, against seal mode SEAL_NOW in the same process;
 - the events left in the inbox as each guarded run ended and a second later (0 by then: each
-  writer's sealer thread seals within milliseconds of its commits, and closing a journal seals),
+  writer's sealer thread seals within tens of milliseconds of its commits, and closing a journal seals),
   and how many of the run's events went through the inbox at all (the server's statistics); then
   each guarded run's journal verified, its event count checked against 2 for each call the
   processes made (warm-up calls included). A wrong count stops the script; nothing else is asserted.

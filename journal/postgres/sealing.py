@@ -12,7 +12,7 @@ Who seals:
 
 - the append itself, when nobody else holds the head (one process writing alone: its event is in
   the log when its transaction commits, as before there was an inbox);
-- otherwise a thread of the process that appended, a few milliseconds after its commit
+- otherwise a thread of the process that appended, some 30 milliseconds after its commit
   (:class:`Sealer`): a seal waits for the one under way, so every committed row is sealed within
   one seal's time after it, while the process lives;
 - every read an operator makes (show, export, verify, checkpoint, archive, stats, the console),
@@ -50,9 +50,20 @@ _SEAL_WAIT = b"SELECT airlock_seal(%s, true)"
 _SEAL_WAITING = (b"SELECT CASE WHEN EXISTS (SELECT 1 FROM inbox) AND pg_try_advisory_xact_lock_shared("
                  b"hashtext('airlock-journal:hold:' || current_schema())) THEN airlock_seal(%s, true) ELSE 0 END")
 _SEAL_TRY = b"SELECT airlock_seal(%s, false)"
+# The thread's seal: nothing when the inbox is empty; -1 at once when another session holds the head.
+_SEAL_SOON = b"SELECT CASE WHEN EXISTS (SELECT 1 FROM inbox) THEN airlock_seal(%s, false) ELSE 0 END"
 
-# How long the thread lets a burst of appends gather before it seals them in one transaction.
-_GATHER = 0.003
+# How long the thread lets a burst of appends gather before it seals them in one transaction:
+# under contention a longer batch costs less an event (8 processes of guarded calls, in paired runs
+# on a 2-core machine: 3 ms to 10 ms, 835 to 920 calls/s; 10 ms to 30 ms, 955 to 1,005), for events
+# that wait in the inbox that much longer.
+_GATHER = 0.030
+
+# A seal commits without waiting for the WAL flush, and so holds the head's row for less time. What
+# it moved was committed in the inbox already: a server crash that loses the seal leaves those rows
+# there, sealed again afterwards (see docs/postgres.md, "Durability"). A later commit that waits
+# for the flush (a pending's) flushes the seal with it, since the WAL is written in order.
+_NO_FLUSH_WAIT = b"SET synchronous_commit = off"
 
 
 def seal_all(conn: Conn, *, if_waiting: bool = False) -> int:
@@ -75,6 +86,20 @@ def hold_log(conn: Conn) -> None:
     conn.execute(b"SELECT airlock_hold_log()").fetchone()
 
 
+def seal_soon(conn: Conn) -> int:
+    """Seal the inbox, unless it is empty (0) or another session holds the head (-1, at once);
+    how many moved."""
+    moved = 0
+    while True:
+        row = conn.execute(_SEAL_SOON, (SEAL_BATCH,)).fetchone()
+        n = int(row[0]) if row is not None else -1
+        if n < 0:
+            return -1
+        moved += n
+        if n < SEAL_BATCH:
+            return moved
+
+
 def try_seal(conn: Conn) -> bool:
     """In ``conn``'s transaction: seal the inbox unless another session seals now (then False).
     True means this transaction holds the head's row, with nothing left in the inbox it can see."""
@@ -91,8 +116,10 @@ class Sealer:
     """Seals what this process's appends left in the inbox, on a thread of its own, soon after.
 
     :meth:`poke` after an append that was not sealed as it committed: the thread wakes, lets a
-    burst gather for a few milliseconds, and seals (waiting for a seal under way, so rows committed
-    before it are all sealed when it returns). A failed seal is logged and tried again at the next
+    burst gather for some 30 milliseconds, and seals. When another session holds the head (sealing,
+    or appending and sealing first), it does not wait behind it: it looks again after the next
+    gathering, and so on until it seals or finds the inbox empty, so the rows committed before it
+    first looked are sealed by then, by it or by another. A failed seal is logged and tried again at the next
     poke or read; the rows wait in the inbox meanwhile, the projection already holding them. It
     seals on a session of its own, beside the pool (whose sessions are the application's threads'),
     which reads also seal on (a read-only journal's sessions refuse every write).
@@ -138,7 +165,7 @@ class Sealer:
             self._wanted.set()
             thread.join(timeout=self._datastore.busy_timeout + self._datastore.timeout)
             try:
-                self._seal(if_waiting=False)
+                self._seal(seal_all)
             except JournalError as e:
                 log.warning("journal %s: could not seal the inbox as it closed (%s)", self._datastore.name, e)
         with self._sealing:
@@ -152,7 +179,8 @@ class Sealer:
             time.sleep(_GATHER)
             self._wanted.clear()
             try:
-                self._seal(if_waiting=False)
+                if self._seal(seal_soon) < 0:
+                    self._wanted.set()  # another session seals: look again after the next gathering
             except JournalError as e:
                 log.warning("journal %s: could not seal the inbox (%s); it is sealed at the next append or read",
                             self._datastore.name, e)
@@ -163,18 +191,22 @@ class Sealer:
         ``if_waiting``: take nothing when the inbox is empty (a read's seal)."""
         if self._closed:
             raise JournalError(f"cannot seal the inbox: the journal {self._datastore.name} is closed")
-        return self._seal(if_waiting=if_waiting)
+        return self._seal(lambda conn: seal_all(conn, if_waiting=if_waiting))
 
-    def _seal(self, *, if_waiting: bool) -> int:
+    def _seal(self, way: Callable[[Conn], int]) -> int:
         doing = "seal the inbox"
         with self._sealing:
             for attempt in (1, 2):
-                if self._conn is None or self._conn_pid != os.getpid() or self._conn.closed:
+                fresh = self._conn is None or self._conn_pid != os.getpid() or self._conn.closed
+                if fresh:
                     self._conn = self._datastore.own_session(doing)  # a child's own, never its parent's
                     self._conn_pid = os.getpid()
                 conn = self._conn
+                assert conn is not None
                 try:
-                    return seal_all(conn, if_waiting=if_waiting)
+                    if fresh:
+                        conn.execute(_NO_FLUSH_WAIT)
+                    return way(conn)
                 except psycopg.Error as e:
                     if conn.broken:
                         self._conn = None

@@ -74,6 +74,11 @@ _DECISIONS = frozenset({"approved", "denied", "expired"})
 # under way.
 QUEUE, SEAL, SEAL_NOW = 0, 1, 2
 
+# After an append of seal mode SEAL found the head held (another session appending or sealing),
+# this many seconds of the process's appends go to the inbox without trying the head: under
+# contention, one sealer's batch moves them for less than each append's own try and seal.
+_CONTENDED_FOR = 1.0
+
 _INBOX_INSERT = (f"INSERT INTO inbox ({', '.join(_EVENT_FIELDS)}, body_head, body_tail) "
                  f"VALUES ({', '.join(['%s'] * (len(_EVENT_FIELDS) + 2))}) RETURNING id")
 
@@ -86,9 +91,9 @@ class Writer:
     A write takes its call's lock alone: one call of the server-side append, or (where sessions
     cannot make it, and for events of requests for approval) one transaction that locks the call
     and then reads. The event goes into the log at once when no other session is sealing, else into
-    the inbox, which :class:`~journal.postgres.sealing.Sealer` seals a few milliseconds later.
-    :attr:`seal_mode` says which: set it to :data:`QUEUE` to send every event through the inbox,
-    as under contention.
+    the inbox, which :class:`~journal.postgres.sealing.Sealer` seals some 30 ms later; for a second
+    after an event found the head held, into the inbox without trying the head. :attr:`seal_mode`
+    says which: set it to :data:`QUEUE` to send every event through the inbox, as under contention.
     """
 
     def __init__(self, datastore: PostgresDatastore, known: Known, leases: Leases, sealer: Sealer) -> None:
@@ -99,8 +104,21 @@ class Writer:
         self._owner_alive = leases.owner_alive
         self._check_writable = datastore.check_writable
         self._decoded = datastore.decoded
-        #: Where the guard's events go: :data:`SEAL` (the default), or :data:`QUEUE`.
+        #: Where the guard's events go: :data:`SEAL` (the default: into the log at once while no
+        #: other session holds the head, into the inbox for a while after one did), or :data:`QUEUE`.
         self.seal_mode = SEAL
+        self._contended_until = 0.0
+
+    def _mode(self) -> int:
+        """Where the next event goes: :attr:`seal_mode`, but :data:`QUEUE` for a while after an
+        append of mode :data:`SEAL` found the head held."""
+        if self.seal_mode == SEAL and time.monotonic() < self._contended_until:
+            return QUEUE
+        return self.seal_mode
+
+    def _placed(self, mode: int, stored: JournalEvent) -> None:
+        if mode == SEAL and stored.seq < 0:  # the head was held: others append too
+            self._contended_until = time.monotonic() + _CONTENDED_FOR
 
     def lock_and_read(self, conn: Conn, call_id: str | None) -> tuple[CallRecord | None, int]:
         """Lock the call (no other write of it comes between), then read its record (a statement
@@ -200,6 +218,7 @@ class Writer:
 
         stored, record, generation = self.rebuilt_again(doing, work)
         self.appended(call_id, stored, record, generation)
+        self._placed(mode, stored)
         return stored
 
     def rebuilt_again(self, doing: str, work: Callable[[Conn], T], pipeline: bool = True) -> T:
@@ -275,6 +294,7 @@ class Writer:
         if project:
             record = apply(record, event, seq)
         self.appended(event.call_id, stored, record if project or check else None, int(row[4]))
+        self._placed(mode, stored)
         return stored
 
     def begin(self, call_id: str, decide: Decide) -> Decision:
@@ -303,14 +323,14 @@ class Writer:
 
         if self._datastore.server_append:
             with contextlib.suppress(NoServerAppend):
-                self._append_on_server(doing, choose_on_server, self._known.written(call_id), True, self.seal_mode)
+                self._append_on_server(doing, choose_on_server, self._known.written(call_id), True, self._mode())
                 return decisions[0]
-        self._locked_write(doing, call_id, choose, self.seal_mode)
+        self._locked_write(doing, call_id, choose, self._mode())
         return decisions[0]
 
     def append(self, event: EffectEvent) -> None:
         """Append an outcome or a refusal (folded into the projection where it applies)."""
-        self._append(event, self.seal_mode)
+        self._append(event, self._mode())
 
     def append_event(self, event: EffectEvent) -> JournalEvent:
         """:meth:`append`, returning the event as stored in the log (with its ``seq`` and ``hash``:

@@ -70,6 +70,11 @@ def inbox_rows(dsn: str) -> int:
     return int(scalar(dsn, "SELECT count(*) FROM inbox"))
 
 
+def sealed_events(dsn: str) -> int:
+    """The log's events, read without sealing first (as no journal's read does)."""
+    return int(scalar(dsn, "SELECT count(*) FROM events"))
+
+
 def as_superuser(dsn: str, statement: str, *params: Any) -> None:
     """What an intruder with the database's superuser can do: every trigger of the session off."""
     with psycopg.connect(dsn) as conn:
@@ -590,3 +595,103 @@ def test_a_version_5_journal_is_migrated_in_place_and_goes_on(pg_dsn: str, tmp_p
     with PostgresJournal(pg_dsn, readonly=True) as journal:  # migrated: opened read-only from now on
         assert journal.verify().ok
 
+
+
+# -- under contention, and a seal lost in a crash -------------------------------------------------
+
+
+def test_once_an_append_finds_the_head_held_the_next_go_through_the_inbox_for_a_while(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from journal.postgres import writes
+
+    monkeypatch.setattr(writes, "_CONTENDED_FOR", 3600.0)  # "a while" outlasts the test, however slow
+    journal = PostgresJournal(pg_dsn)  # seal mode SEAL, as shipped
+    monkeypatch.setattr(journal.sealer, "poke", lambda: None)  # what waits in the inbox stays there
+    effects: list[str] = []
+    charge = guarded_charge(journal, effects)
+    try:
+        call(charge, "alone", 1)
+        assert inbox_rows(pg_dsn) == 0 and sealed_events(pg_dsn) == 2  # sealed as they committed
+        with head_held(pg_dsn):  # another session seals: the call's events wait in the inbox
+            call(charge, "contended", 2)
+            assert inbox_rows(pg_dsn) == 2
+        # The head is free again, but others were appending a moment ago: no append tries it.
+        call(charge, "after", 3)
+        assert inbox_rows(pg_dsn) == 4 and sealed_events(pg_dsn) == 2
+        record = journal.get("after")
+        assert record is not None and record.status == "committed" and record.last_seq < 0
+        # Once the while is over, an append takes the head again, sealing what waits first.
+        journal.writes._contended_until = 0.0
+        call(charge, "later", 4)
+        assert inbox_rows(pg_dsn) == 0
+        events = list(journal.events())
+        assert_one_chain(events)
+        assert [(e.call_id, e.kind) for e in events] == [
+            (c, k) for c in ("alone", "contended", "after", "later") for k in ("pending", "committed")]
+        assert effects == ["alone", "contended", "after", "later"]
+        assert all(r.last_seq > 0 for r in journal.calls())
+        assert journal.verify().ok
+    finally:
+        journal.close()
+
+
+def test_a_seal_lost_in_a_crash_of_the_server_leaves_its_events_in_the_inbox_to_be_sealed_again(
+    pg_server: Any, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not pg_server.managed:
+        pytest.skip("the tests do not crash an external server")
+    from tests.postgres.test_replicas import crash_losing
+
+    journal = queued_journal(pg_dsn)
+    monkeypatch.setattr(journal.sealer, "poke", lambda: None)  # sealed only when the test says
+    effects: list[str] = []
+    charge = guarded_charge(journal, effects)
+    try:
+        assert journal.seal() == 0  # the sealer's session made before the crash
+        for n in range(3):
+            call(charge, f"c{n}", n + 1)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(b"CHECKPOINT")  # the outcomes too on disk, committed without waiting for the flush
+        assert inbox_rows(pg_dsn) == 6
+
+        # A seal commits without waiting for the WAL flush: the crash loses it, whole.
+        crash_losing(pg_server, lambda: journal.seal())
+
+        assert inbox_rows(pg_dsn) == 6 and sealed_events(pg_dsn) == 0
+        assert journal.seal() == 6  # on a new session of its own: the one before died with the server
+        events = list(journal.events())
+        assert_one_chain(events)
+        assert [(e.call_id, e.kind) for e in events] == [
+            (f"c{n}", k) for n in range(3) for k in ("pending", "committed")]
+        for n in range(3):
+            record = journal.get(f"c{n}")
+            assert record is not None and record.status == "committed" and record.last_seq > 0
+        # Nothing ran again: each call is replayed from the journal.
+        for n in range(3):
+            assert call(charge, f"c{n}", n + 1) == {"account": "acct", "charged": n + 1}
+        assert effects == ["c0", "c1", "c2"]
+        report = journal.verify()
+        assert report.ok, report.problem
+    finally:
+        journal.close()
+
+
+def test_the_sealer_thread_does_not_wait_behind_a_session_holding_the_head(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A seal under way elsewhere, or rebuild, archive or copy holding the log, for longer than the
+    # journal waits on a lock: the thread looks again and again instead of waiting (and failing).
+    journal = queued_journal(pg_dsn, busy_timeout=0.3)
+    effects: list[str] = []
+    charge = guarded_charge(journal, effects)
+    try:
+        with caplog.at_level("WARNING", logger="airlock.journal"), head_held(pg_dsn):
+            call(charge, "held", 1)
+            time.sleep(1.0)  # over three of the journal's lock timeouts
+            assert inbox_rows(pg_dsn) == 2
+        wait_for(lambda: inbox_rows(pg_dsn) == 0, "the thread to seal once the head was let go")
+        assert [r.getMessage() for r in caplog.records] == []
+        assert sealed_events(pg_dsn) == 2 and effects == ["held"]
+    finally:
+        journal.close()
