@@ -174,16 +174,29 @@ class Sealer:
                 conn.close()
 
     def _run(self) -> None:
+        held_since: float | None = None  # since when every look found the head held
+        told = False
         while not self._closed:
             self._wanted.wait()
             time.sleep(_GATHER)
             self._wanted.clear()
             try:
-                if self._seal(seal_soon) < 0:
-                    self._wanted.set()  # another session seals: look again after the next gathering
+                if self._seal(seal_soon) >= 0:
+                    held_since, told = None, False
+                    continue
             except JournalError as e:
                 log.warning("journal %s: could not seal the inbox (%s); it is sealed at the next append or read",
                             self._datastore.name, e)
+                continue
+            self._wanted.set()  # another session holds the head: look again after the next gathering
+            now = time.monotonic()
+            if held_since is None:
+                held_since = now
+            elif not told and now - held_since > self._datastore.busy_timeout:
+                told = True  # once a while it lasts: a seal, a rebuild or an archive takes no longer
+                log.warning("journal %s: another session has held the chain head for over %g s; the events "
+                            "in the inbox wait to be sealed until it lets go (see pg_locks for who holds it)",
+                            self._datastore.name, self._datastore.busy_timeout)
 
     def seal(self, *, if_waiting: bool = False) -> int:
         """Seal every committed row of the inbox now (waiting for a seal under way); how many moved.
