@@ -58,8 +58,9 @@ def _casts(columns: Sequence[str]) -> str:
 _CHANGING = f"kind IN {CHANGING_KINDS}"  # the kinds that move a call's record
 
 # A call's lock: every write of the call takes it first (the server-side append too), never a lock
-# that writes of other calls wait on. Keyed by the journal's schema and the call's id.
-_LOCK_CALL = "SELECT pg_advisory_xact_lock(hashtext(current_schema()), hashtext(%s))"
+# that writes of other calls wait on. Keyed by the journal's schema and the call's id; the events of
+# no call share one, as in the server-side append (a NULL key would take no lock at all).
+_LOCK_CALL = "SELECT pg_advisory_xact_lock(hashtext(current_schema()), coalesce(hashtext(%s), 0))"
 
 # The call's events, those in the log and after them those still in the inbox, in one statement (a
 # seal may move them meanwhile), as rows of the log's columns (an inbox row's seq is minus its id,

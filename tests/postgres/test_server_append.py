@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -295,3 +296,30 @@ def test_a_clock_set_back_and_a_naive_time_still_give_every_event_a_time_of_its_
         times = [e.at for e in first.events()]
         assert len(set(times)) == len(times) == 5 and times == sorted(times)
         assert first.verify().ok
+
+
+def test_an_event_of_no_call_takes_the_same_lock_the_locked_way_as_on_the_server(
+    pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server-side append keys the lock of events of no call by 0; the locked way must take that
+    # same lock, not skip it (a NULL key takes none).
+    with PostgresJournal(pg_dsn, pool_size=2) as journal:
+        monkeypatch.setattr(journal.datastore, "server_append", False)
+        refused = EffectEvent("refused", None, "pay", reason={"code": "policy_violation", "message": "m"})
+        with psycopg.connect(pg_dsn) as holder:
+            holder.execute(b"SELECT pg_advisory_xact_lock(hashtext(%s), 0)", (journal.schema,))
+            done = threading.Event()
+            writer = threading.Thread(target=lambda: (journal.append_event(refused), done.set()))
+            writer.start()
+            with psycopg.connect(pg_dsn, autocommit=True) as watcher:
+                deadline = time.monotonic() + 120.0
+                while watcher.execute(b"SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                      b"AND wait_event = 'advisory' AND datname = current_database()"
+                                      ).fetchone() != (1,):
+                    assert time.monotonic() < deadline, "the append never waited for the lock"
+                    time.sleep(0.01)
+            assert not done.is_set()
+            holder.rollback()  # lets go of the lock
+            writer.join(timeout=120.0)
+        assert done.is_set()
+        assert [e.kind for e in journal.events()] == ["refused"]
