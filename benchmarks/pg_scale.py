@@ -411,7 +411,7 @@ def main() -> None:
     parser.add_argument("--procs", type=_procs, default=[8, 16, 32], help="process counts, comma-separated")
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds per throughput figure")
     parser.add_argument("--calls", type=int, default=300, help="calls per latency round")
-    parser.add_argument("--rounds", type=int, default=5, help="latency rounds; the median is shown")
+    parser.add_argument("--rounds", type=int, default=9, help="latency rounds; the median is shown")
     parser.add_argument("--baseline-rev", default="e1d5260", help="the previous release's revision (git)")
     parser.add_argument("--baseline-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
