@@ -66,17 +66,25 @@ _GATHER = 0.030
 _NO_FLUSH_WAIT = b"SET synchronous_commit = off"
 
 
+def _in_batches(conn: Conn, statement: bytes) -> int:
+    """Run a seal ``statement`` (one batch of at most SEAL_BATCH rows each) until a batch is short;
+    how many rows moved, or -1 when a batch found the head held by another session."""
+    moved = 0
+    while True:
+        row = conn.execute(statement, (SEAL_BATCH,)).fetchone()
+        n = int(row[0]) if row is not None else -1
+        if n < 0:
+            return -1
+        moved += n
+        if n < SEAL_BATCH:
+            return moved
+
+
 def seal_all(conn: Conn, *, if_waiting: bool = False) -> int:
     """In ``conn``'s transaction (or autocommit): seal every row of the inbox, waiting for a seal
     under way; the head's row stays locked to the end of the transaction. Returns how many moved.
     ``if_waiting``: not even the head is taken when the inbox is empty."""
-    moved = 0
-    while True:
-        row = conn.execute(_SEAL_WAITING if if_waiting else _SEAL_WAIT, (SEAL_BATCH,)).fetchone()
-        n = int(row[0]) if row is not None else 0
-        moved += n
-        if n < SEAL_BATCH:
-            return moved
+    return _in_batches(conn, _SEAL_WAITING if if_waiting else _SEAL_WAIT)
 
 
 def hold_log(conn: Conn) -> None:
@@ -89,27 +97,13 @@ def hold_log(conn: Conn) -> None:
 def seal_soon(conn: Conn) -> int:
     """Seal the inbox, unless it is empty (0) or another session holds the head (-1, at once);
     how many moved."""
-    moved = 0
-    while True:
-        row = conn.execute(_SEAL_SOON, (SEAL_BATCH,)).fetchone()
-        n = int(row[0]) if row is not None else -1
-        if n < 0:
-            return -1
-        moved += n
-        if n < SEAL_BATCH:
-            return moved
+    return _in_batches(conn, _SEAL_SOON)
 
 
 def try_seal(conn: Conn) -> bool:
     """In ``conn``'s transaction: seal the inbox unless another session seals now (then False).
     True means this transaction holds the head's row, with nothing left in the inbox it can see."""
-    while True:
-        row = conn.execute(_SEAL_TRY, (SEAL_BATCH,)).fetchone()
-        n = int(row[0]) if row is not None else -1
-        if n < 0:
-            return False
-        if n < SEAL_BATCH:
-            return True
+    return _in_batches(conn, _SEAL_TRY) >= 0
 
 
 class Sealer:
@@ -119,8 +113,8 @@ class Sealer:
     burst gather for some 30 milliseconds, and seals. When another session holds the head (sealing,
     or appending and sealing first), it does not wait behind it: it looks again after the next
     gathering, and so on until it seals or finds the inbox empty, so the rows committed before it
-    first looked are sealed by then, by it or by another. A failed seal is logged and tried again at the next
-    poke or read; the rows wait in the inbox meanwhile, the projection already holding them. It
+    first looked are sealed by then, by it or by another. A failed seal is logged and tried again
+    at the next poke or read; the rows wait in the inbox meanwhile, the projection already holding them. It
     seals on a session of its own, beside the pool (whose sessions are the application's threads'),
     which reads also seal on (a read-only journal's sessions refuse every write).
     """
